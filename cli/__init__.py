@@ -1,0 +1,1 @@
+"""memplan's command line: a thin typer app over the memplan library."""

@@ -1,0 +1,26 @@
+"""`memplan emit`: turn a plan.json into a standalone Python module that applies its checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import handles_errors
+
+
+@handles_errors
+def emit_command(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json written by `memplan plan`.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The Python module to write, e.g. ckpt_plan.py.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT if it exists.")] = False,
+) -> None:
+    """Write a module defining apply_checkpointing(model), which needs only PyTorch to run."""
+    # Imported here: memplan.emit imports torch, which `memplan --help` should not wait for.
+    from memplan.emit import emit_module
+    from memplan.plan import load_plan, write_atomically
+
+    plan = load_plan(plan_path)
+    write_atomically(output, emit_module(plan), force=force)
+    typer.echo(f"wrote {output}: {len(plan.segments)} checkpointed segments")

@@ -1,0 +1,109 @@
+"""What a target device adds to the trace: how its allocator accounts for a storage, library
+workspaces, kernel scratch the dispatcher never sees, optimizer defaults and autocast op lists.
+
+Rules are data: `DEVICES` maps a name to a `DeviceModel`; memplan/scratch.py maps (device, aten op)
+to a scratch formula, like torch/utils/flop_counter.py's registry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memplan.errors import BadInput
+from memplan.scratch import scratch_of
+from memplan.step import StepConfig, optimizer_rule
+from memplan.trace import TraceRules
+
+aten = torch.ops.aten
+
+# --------------------------------------------------------------------------------------------------
+# Allocators
+
+
+def exact_bytes(nbytes: int) -> int:
+    """The CPU allocator's events report the bytes asked for."""
+    return nbytes
+
+
+CUDA_BLOCK = 512  # CUDACachingAllocator: kMinBlockSize; every request rounds up to a multiple of it
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """What one storage adds to `max_memory_allocated`: rounded up to 512 bytes (0 stays 0)."""
+    return 0 if nbytes == 0 else CUDA_BLOCK * math.ceil(nbytes / CUDA_BLOCK)
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
+    """torch's default cuBLAS workspace per (handle, stream), from ATen/cuda/CublasHandlePool.cpp
+    parseChosenWorkspaceSize(): 32 MiB on Hopper and Blackwell (major 9, 10, 12), else ":4096:2:16:8"."""
+    if compute_capability[0] in (9, 10, 12):
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+# Ops that call cuBLAS and so allocate the calling thread's workspace the first time.
+CUBLAS_OPS = frozenset(
+    f"aten.{name}.default" for name in ("mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "addbmm", "_addmm_activation")
+) | frozenset({"aten.addmm.out", "aten.mm.out"})
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    name: str
+    description: str
+    block_bytes: Callable[[int], int]
+    scratch: Callable[[Any, tuple, dict, Any], int]
+    # cuBLAS keeps one workspace per thread that calls it: the main thread (forward, optimizer) and
+    # the autograd engine's device thread (backward)
+    workspace_bytes: int = 0
+    workspace_ops: frozenset[str] = frozenset()
+    foreach_optimizers: bool = False  # torch's optimizer default: foreach on CUDA, for-loop on the CPU
+    autocast_lists: str | None = None  # "cuda": emulate CUDA's autocast op lists on fake CPU tensors
+    new_reserved_tracker: Callable[[int], Any] | None = None
+
+    def trace_rules(self, config: StepConfig) -> TraceRules:
+        foreach = None
+        if self.foreach_optimizers and not optimizer_rule(config.optimizer).needs_cuda:
+            foreach = True
+        autocast = None
+        if self.autocast_lists:
+            from memplan.autocast import emulated_autocast
+
+            autocast = emulated_autocast(self.autocast_lists)
+        return TraceRules(scratch=self.scratch, foreach=foreach, autocast=autocast)
+
+
+DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an H100/H200 unless --gpu says otherwise
+
+
+def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> DeviceModel:
+    from memplan.allocator import CudaCachingAllocator
+
+    return DeviceModel(
+        name="cuda",
+        description=f"CUDA caching allocator, compute capability {compute_capability[0]}.{compute_capability[1]}",
+        block_bytes=cuda_block_bytes,
+        scratch=scratch_of("cuda"),
+        workspace_bytes=cublas_workspace_bytes(compute_capability),
+        workspace_ops=CUBLAS_OPS,
+        foreach_optimizers=True,
+        autocast_lists="cuda",
+        new_reserved_tracker=CudaCachingAllocator,
+    )
+
+
+DEVICES: dict[str, Callable[[], DeviceModel]] = {
+    "cpu": lambda: DeviceModel("cpu", "CPU allocator (exact request sizes)", exact_bytes, scratch_of("cpu")),
+    "cuda": cuda_model,
+}
+
+
+def device_model(name: str) -> DeviceModel:
+    if name not in DEVICES:
+        raise BadInput(f"unknown device {name!r}; expected one of: {', '.join(DEVICES)}")
+    return DEVICES[name]()

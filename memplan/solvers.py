@@ -1,0 +1,550 @@
+"""Choose which blocks to checkpoint: the cheapest recomputation whose modelled memory fits a budget.
+
+Pure optimisation over plain numbers; the tracer builds the inputs, and the caller re-estimates the chosen
+plan on the real model (the model below is a cost model, not the truth).
+
+The memory model
+----------------
+A chain is a sequence of blocks in forward order. Each block is either *kept* (it saves its activations for
+backward as usual) or *checkpointed*, inside a *segment*: one block, or a run of consecutive blocks of the same
+non-empty `group` (siblings that one `checkpoint` call may wrap). A segment keeps only its input and
+recomputes everything inside during backward, one segment at a time. The activation memory held at the
+backward peak is modelled as
+
+    Σ saved_bytes over kept blocks                     (kept activations)
+  + Σ input_bytes of each segment's first block        (checkpoint boundaries)
+  + max over segments of Σ saved_bytes inside it       (the segment being recomputed, one at a time)
+
+and the modelled peak is `fixed_bytes` plus that. `saved_bytes` excludes a block's own input: a checkpointed
+block's input is counted once, as its segment's input, and a kept block's input is the previous block's
+output, taken to be counted in the previous block's `saved_bytes` (the caller's convention). Known gap: when
+the previous block is checkpointed its `saved_bytes` drop out, so the input of a kept block right after a
+segment is counted nowhere; the caller's closed loop (re-estimate, tighten the budget) absorbs that.
+
+The cost is Σ flops (objective "flops") or Σ seconds (objective "seconds") over checkpointed blocks; both
+totals are reported whichever is minimised. When no selection fits, a solver says so (feasible=False) and
+returns the selection with the smallest modelled peak, the cheapest among those.
+
+`solve_milp` also takes a `HierarchyProblem`: nested candidates (a module and its submodules), any set of
+which may be checkpointed as long as no chosen candidate contains another. Its model has the same three terms,
+with the kept activations written as the total minus what the chosen candidates save.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from memplan.errors import BadInput, MemplanError
+
+OBJECTIVES = ("flops", "seconds")
+BRUTE_FORCE_MAX_BLOCKS = 16
+
+
+@dataclass(frozen=True)
+class Block:
+    """One candidate unit of a chain, in forward execution order."""
+
+    path: str  # module path, e.g. "transformer.h.3"
+    input_bytes: int  # bytes of its input tensor(s): what a checkpoint boundary keeps
+    saved_bytes: int  # activation bytes it saves for backward when not checkpointed (its input excluded)
+    flops: int  # forward FLOPs = recompute cost in FLOPs
+    seconds: float = 0.0  # estimated recompute time on the target GPU (roofline)
+    group: str = ""  # consecutive blocks with the same non-empty group may share one segment
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    blocks: tuple[Block, ...]
+    fixed_bytes: int  # everything but these blocks' activations at the peak
+    budget_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_paths_and_bytes(self.blocks, self.fixed_bytes, self.budget_bytes)
+        closed: set[str] = set()  # groups whose run has ended: seeing one again means it is not consecutive
+        for previous, block in zip((None, *self.blocks), self.blocks):
+            if previous is not None and previous.group and previous.group != block.group:
+                closed.add(previous.group)
+            if block.group in closed:
+                raise BadInput(f"group {block.group!r} is not consecutive: it resumes at {block.path}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module that may be checkpointed; its saved_bytes cover everything saved inside it, submodules included."""
+
+    path: str
+    parent_path: str | None  # the closest enclosing candidate, None for a top-level one
+    input_bytes: int
+    saved_bytes: int
+    flops: int
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class HierarchyProblem:
+    candidates: tuple[Candidate, ...]
+    fixed_bytes: int  # everything but the candidates' activations (Σ saved_bytes of top-level candidates)
+    budget_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_paths_and_bytes(self.candidates, self.fixed_bytes, self.budget_bytes)
+        parents = {c.path: c.parent_path for c in self.candidates}
+        for candidate in self.candidates:
+            seen = {candidate.path}
+            parent = candidate.parent_path
+            while parent is not None:
+                if parent not in parents:
+                    raise BadInput(f"candidate {candidate.path}: parent {parent!r} is not a candidate")
+                if parent in seen:
+                    raise BadInput(f"candidate {candidate.path}: its parents form a cycle")
+                seen.add(parent)
+                parent = parents[parent]
+
+
+@dataclass(frozen=True)
+class Solution:
+    method: str  # "optimal-dp", "milp", "none", "every-block", "sqrt-n", "uniform-k", "brute-force"
+    segments: tuple[tuple[str, ...], ...]  # each segment = the block paths it covers
+    feasible: bool
+    modelled_peak_bytes: int
+    recompute_flops: int
+    recompute_seconds: float
+    solve_seconds: float
+    optimality_gap: float | None = None  # 0.0 when proven optimal, None for heuristics
+
+
+def _check_paths_and_bytes(units: Sequence[Block | Candidate], fixed_bytes: int, budget_bytes: int) -> None:
+    paths = [u.path for u in units]
+    if len(set(paths)) != len(paths):
+        raise BadInput("duplicate paths among the candidate blocks")
+    for unit in units:
+        if min(unit.input_bytes, unit.saved_bytes, unit.flops, unit.seconds) < 0:
+            raise BadInput(f"{unit.path}: negative bytes, flops or seconds")
+    if fixed_bytes < 0 or budget_bytes < 0:
+        raise BadInput("fixed_bytes and budget_bytes must be non-negative")
+
+
+# --------------------------------------------------------------------------------------------------
+# The chain model: segments are index spans (first, last), inclusive
+
+
+def _costs(units: Sequence[Block | Candidate], objective: str) -> list[float]:
+    if objective not in OBJECTIVES:
+        raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
+    return [getattr(u, objective) for u in units]
+
+
+def _run_ends(blocks: Sequence[Block]) -> list[int]:
+    """For each block, the last index a segment starting there may reach (itself when it has no group)."""
+    ends = list(range(len(blocks)))
+    for i in reversed(range(len(blocks) - 1)):
+        if blocks[i].group and blocks[i].group == blocks[i + 1].group:
+            ends[i] = ends[i + 1]
+    return ends
+
+
+def _chain_peak(problem: ChainProblem, spans: Sequence[tuple[int, int]]) -> int:
+    blocks = problem.blocks
+    inside = [sum(b.saved_bytes for b in blocks[first : last + 1]) for first, last in spans]
+    kept = sum(b.saved_bytes for b in blocks) - sum(inside)
+    boundaries = sum(blocks[first].input_bytes for first, _ in spans)
+    return problem.fixed_bytes + kept + boundaries + max(inside, default=0)
+
+
+def _chain_solution(
+    problem: ChainProblem,
+    method: str,
+    spans: Sequence[tuple[int, int]],
+    started: float,
+    optimality_gap: float | None = None,
+) -> Solution:
+    spans = sorted(spans)
+    chosen = [b for first, last in spans for b in problem.blocks[first : last + 1]]
+    peak = _chain_peak(problem, spans)
+    return Solution(
+        method=method,
+        segments=tuple(tuple(b.path for b in problem.blocks[first : last + 1]) for first, last in spans),
+        feasible=peak <= problem.budget_bytes,
+        modelled_peak_bytes=peak,
+        recompute_flops=sum(b.flops for b in chosen),
+        recompute_seconds=sum(b.seconds for b in chosen),
+        solve_seconds=time.perf_counter() - started,
+        optimality_gap=optimality_gap,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact dynamic programming for chains
+
+
+def solve_chain_dp(problem: ChainProblem, objective: str = "flops") -> Solution:
+    """The cheapest selection whose modelled peak fits, proven optimal.
+
+    A forward DP over block boundaries. A partial selection up to boundary k is summarised by
+    (cost, mem, x): its cost, its kept + boundary bytes, and its largest segment so far. Its final peak is
+    mem + rest + max(x, largest later segment), so one partial selection makes another redundant when it is
+    no costlier and has no more mem and no more mem + x; only the non-redundant ones (a 3-D Pareto set)
+    are extended. Partial selections that cannot fit whatever follows are dropped, using exact per-threshold
+    lower bounds on the rest (`_reach`).
+    """
+    started = time.perf_counter()
+    costs = _costs(problem.blocks, objective)
+    if not problem.blocks:
+        return _chain_solution(problem, "optimal-dp", (), started, optimality_gap=0.0)
+    segments, thresholds = _segments_from(problem, costs)
+    reach = _reach(problem, segments, thresholds)
+    headroom = problem.budget_bytes - problem.fixed_bytes
+    # reach[0][0] is the smallest modelled activation peak of any selection: when even that exceeds the
+    # headroom, take it as the limit and return the cheapest selection reaching it (feasible=False)
+    limit = max(headroom, int(reach[0][0]))
+    spans = _cheapest_within(problem, segments, thresholds, reach, limit)
+    return _chain_solution(problem, "optimal-dp", spans, started, optimality_gap=0.0)
+
+
+@dataclass(frozen=True)
+class _Span:
+    last: int
+    saved: int  # Σ saved_bytes inside: what recomputing it rematerialises
+    cost: float
+    saved_index: int = 0  # position of `saved` among the distinct thresholds, filled in by _segments_from
+
+
+def _segments_from(problem: ChainProblem, costs: list[float]) -> tuple[list[list[_Span]], list[int]]:
+    """For each block, every segment that may start there; and the thresholds: the distinct segment sums
+    and 0 (no segment), sorted, which `saved_index` points into."""
+    blocks = problem.blocks
+    ends = _run_ends(blocks)
+    raw: list[list[tuple[int, int, float]]] = []
+    for first in range(len(blocks)):
+        saved, cost, spans = 0, 0.0, []
+        for last in range(first, ends[first] + 1):
+            saved += blocks[last].saved_bytes
+            cost += costs[last]
+            spans.append((last, saved, cost))
+        raw.append(spans)
+    values = sorted({0} | {saved for spans in raw for _, saved, _ in spans})
+    index = {value: i for i, value in enumerate(values)}
+    segments = [[_Span(last, saved, cost, index[saved]) for last, saved, cost in spans] for spans in raw]
+    return segments, values
+
+
+def _reach(problem: ChainProblem, segments: list[list[_Span]], thresholds: list[int]) -> np.ndarray:
+    """reach[k][t]: the least (rest + largest segment) that blocks k.. can add, given a segment so far whose
+    saved bytes are threshold t, i.e. min over thresholds T >= threshold t of T + (least kept + boundary bytes
+    of blocks k.. using only segments of at most T). A vectorised DP over all thresholds at once."""
+    blocks = problem.blocks
+    n = len(blocks)
+    rest = np.zeros((n + 1, len(thresholds)), dtype=np.int64)
+    for k in reversed(range(n)):
+        best = blocks[k].saved_bytes + rest[k + 1]
+        for span in segments[k]:
+            # the segment is allowed from its own saved bytes upwards: a suffix of the sorted thresholds
+            allowed = slice(span.saved_index, None)
+            np.minimum(best[allowed], blocks[k].input_bytes + rest[span.last + 1][allowed], out=best[allowed])
+        rest[k] = best
+    peaks = np.array(thresholds, dtype=np.int64) + rest
+    return np.minimum.accumulate(peaks[:, ::-1], axis=1)[:, ::-1]
+
+
+# a partial selection: (cost, mem, index of its largest segment's saved bytes, trail of chosen spans)
+_State = tuple[float, int, int, tuple | None]
+
+
+def _cheapest_within(
+    problem: ChainProblem, segments: list[list[_Span]], thresholds: list[int], reach: np.ndarray, limit: int
+) -> list[tuple[int, int]]:
+    blocks = problem.blocks
+    n = len(blocks)
+    reach_rows = [row.tolist() for row in reach]
+    pending: list[list[_State]] = [[] for _ in range(n + 1)]
+    pending[0].append((0.0, 0, 0, None))
+    for k in range(n):
+        saved, boundary = blocks[k].saved_bytes, blocks[k].input_bytes
+        keep_reach = reach_rows[k + 1]
+        for cost, mem, x, trail in _pareto(pending[k], thresholds):
+            if mem + saved + keep_reach[x] <= limit:
+                pending[k + 1].append((cost, mem + saved, x, trail))
+            for span in segments[k]:
+                top = max(x, span.saved_index)
+                if mem + boundary + reach_rows[span.last + 1][top] <= limit:
+                    pending[span.last + 1].append((cost + span.cost, mem + boundary, top, ((k, span.last), trail)))
+        pending[k] = []  # free what is no longer needed
+    # every surviving state fits (reach at the end is the largest segment itself): take the cheapest,
+    # then the lowest peak
+    cost, mem, x, trail = min(pending[n], key=lambda s: (s[0], s[1] + thresholds[s[2]]))
+    spans = []
+    while trail is not None:
+        span, trail = trail
+        spans.append(span)
+    return spans
+
+
+def _pareto(states: list[_State], thresholds: list[int]) -> list[_State]:
+    """The states no other state beats on cost, mem and mem + largest segment all at once.
+
+    Sorted by cost, a state is redundant when an earlier one has mem' <= mem and peak' <= peak; the earlier
+    ones are kept as a staircase (mem ascending, peak descending) so that test is one bisection."""
+    kept = []
+    stair_mem: list[int] = []
+    stair_peak: list[int] = []
+    for state in sorted(states, key=lambda s: (s[0], s[1], thresholds[s[2]])):
+        mem = state[1]
+        peak = mem + thresholds[state[2]]
+        below = bisect_right(stair_mem, mem)
+        if below and stair_peak[below - 1] <= peak:
+            continue
+        # the new point replaces the staircase points it covers: same or larger mem, same or larger peak
+        start = bisect_left(stair_mem, mem)
+        end = start
+        while end < len(stair_mem) and stair_peak[end] >= peak:
+            end += 1
+        stair_mem[start:end] = [mem]
+        stair_peak[start:end] = [peak]
+        kept.append(state)
+    return kept
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixed-integer linear programming (HiGHS through scipy), for chains and nested candidates
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One choosable segment: a chain span, or one candidate of a hierarchy."""
+
+    input_bytes: int
+    saved_bytes: int  # Σ saved inside: leaves the kept activations when chosen, comes back while recomputed
+    cost: float
+    atoms: tuple[int, ...]  # what it covers; chosen items must not share any (chain blocks, hierarchy leaves)
+
+
+def solve_milp(
+    problem: ChainProblem | HierarchyProblem, objective: str = "flops", time_limit_s: float | None = None
+) -> Solution:
+    """The cheapest fitting selection by MILP; optimality_gap is HiGHS's relative gap (0.0: proven optimal).
+
+    Binary z_s per item, continuous X for the segment being recomputed at the peak:
+        min Σ cost_s z_s
+        s.t. Σ_{s covers a} z_s <= 1                                  for each atom a (no overlap)
+             base + Σ (input_s - saved_s) z_s + X <= budget - fixed   (the memory model)
+             X >= saved_s z_s                                         for each item s (X is the max term)
+    When that is infeasible: first minimise the activation peak, then the cost at that peak."""
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_array
+    except ImportError:
+        raise BadInput("the MILP solver needs scipy: pip install scipy") from None
+    started = time.perf_counter()
+    if isinstance(problem, ChainProblem):
+        spans, items, base = _chain_items(problem, _costs(problem.blocks, objective))
+    else:
+        spans, items, base = None, *_hierarchy_items(problem, _costs(problem.candidates, objective))
+    if not items:
+        return _milp_solution(problem, spans, [], started, 0.0)
+    m = len(items)
+    # bytes in power-of-two units (exact in floating point) that keep coefficients below 2^20 for HiGHS;
+    # costs scaled up only, so that HiGHS's absolute gap (1e-6) stays far below any real cost difference
+    largest = max(max(i.input_bytes, i.saved_bytes) for i in items)
+    unit = 2.0 ** max(0, math.ceil(math.log2(max(largest, 1))) - 20)
+    largest_cost = max(i.cost for i in items)
+    cost_scale = 2.0 ** max(0, 20 - math.ceil(math.log2(largest_cost))) if largest_cost > 0 else 1.0
+
+    delta = np.array([(i.input_bytes - i.saved_bytes) / unit for i in items] + [1.0])  # memory row, X last
+    n_atoms = 1 + max(a for i in items for a in i.atoms)
+    rows, cols = zip(*((a, s) for s, item in enumerate(items) for a in item.atoms))
+    no_overlap = LinearConstraint(coo_array((np.ones(len(rows)), (rows, cols)), shape=(n_atoms, m + 1)), -np.inf, 1)
+    max_term = LinearConstraint(
+        coo_array(
+            (
+                np.concatenate([[i.saved_bytes / unit for i in items], -np.ones(m)]),
+                (np.concatenate([np.arange(m), np.arange(m)]), np.concatenate([np.arange(m), np.full(m, m)])),
+            ),
+            shape=(m, m + 1),
+        ),
+        -np.inf,
+        0,
+    )
+    integrality = np.r_[np.ones(m), 0]
+    bounds = Bounds(0, np.r_[np.ones(m), np.inf])
+    options = {"mip_rel_gap": 0.0, **({"time_limit": time_limit_s} if time_limit_s is not None else {})}
+
+    def solve(objective_row: np.ndarray, delta_limit_bytes: float | None):
+        constraints = [no_overlap, max_term]
+        if delta_limit_bytes is not None:
+            # + half a byte: byte counts are integers, so this admits exactly the selections that fit
+            constraints.append(LinearConstraint(delta, -np.inf, (delta_limit_bytes + 0.5) / unit))
+        result = milp(objective_row, integrality=integrality, bounds=bounds, constraints=constraints, options=options)
+        if result.x is None and result.status != 2:
+            raise MemplanError(f"the MILP solver stopped without a solution: {result.message}")
+        chosen = [] if result.x is None else [s for s in range(m) if result.x[s] > 0.5]
+        return result, chosen
+
+    cost_row = np.r_[[i.cost * cost_scale for i in items], 0.0]
+    result, chosen = solve(cost_row, problem.budget_bytes - problem.fixed_bytes - base)
+    if result.status == 2:  # nothing fits: the lowest reachable peak, then the cheapest selection at it
+        _, lowest = solve(delta, None)
+        reached = sum(items[s].input_bytes - items[s].saved_bytes for s in lowest)
+        reached += max((items[s].saved_bytes for s in lowest), default=0)
+        result, chosen = solve(cost_row, reached)
+    return _milp_solution(problem, spans, chosen, started, getattr(result, "mip_gap", None))
+
+
+def _chain_items(problem: ChainProblem, costs: list[float]) -> tuple[list[tuple[int, int]], list[_Item], int]:
+    segments, _ = _segments_from(problem, costs)
+    spans, items = [], []
+    for first, starts in enumerate(segments):
+        for span in starts:
+            spans.append((first, span.last))
+            items.append(
+                _Item(problem.blocks[first].input_bytes, span.saved, span.cost, tuple(range(first, span.last + 1)))
+            )
+    return spans, items, sum(b.saved_bytes for b in problem.blocks)
+
+
+def _hierarchy_items(problem: HierarchyProblem, costs: list[float]) -> tuple[list[_Item], int]:
+    """One item per candidate; its atoms are the leaves below it, so two items overlap exactly when one
+    candidate contains the other."""
+    candidates = problem.candidates
+    children: dict[str | None, list[int]] = {}
+    for index, candidate in enumerate(candidates):
+        children.setdefault(candidate.parent_path, []).append(index)
+    position = {c.path: index for index, c in enumerate(candidates)}
+    leaves = [index for index, c in enumerate(candidates) if c.path not in children]
+    leaf_atom = {leaf: atom for atom, leaf in enumerate(leaves)}
+
+    def leaves_below(index: int) -> tuple[int, ...]:
+        if index in leaf_atom:
+            return (leaf_atom[index],)
+        return tuple(a for child in children[candidates[index].path] for a in leaves_below(child))
+
+    items = [
+        _Item(c.input_bytes, c.saved_bytes, costs[position[c.path]], leaves_below(position[c.path]))
+        for c in candidates
+    ]
+    return items, sum(candidates[index].saved_bytes for index in children.get(None, []))
+
+
+def _milp_solution(
+    problem: ChainProblem | HierarchyProblem,
+    spans: list[tuple[int, int]] | None,
+    chosen: list[int],
+    started: float,
+    optimality_gap: float | None,
+) -> Solution:
+    if spans is not None:
+        return _chain_solution(problem, "milp", [spans[s] for s in chosen], started, optimality_gap)
+    picked = [problem.candidates[s] for s in chosen]
+    top_level = sum(c.saved_bytes for c in problem.candidates if c.parent_path is None)
+    peak = (
+        problem.fixed_bytes
+        + top_level
+        - sum(c.saved_bytes for c in picked)
+        + sum(c.input_bytes for c in picked)
+        + max((c.saved_bytes for c in picked), default=0)
+    )
+    return Solution(
+        method="milp",
+        segments=tuple((c.path,) for c in picked),
+        feasible=peak <= problem.budget_bytes,
+        modelled_peak_bytes=peak,
+        recompute_flops=sum(c.flops for c in picked),
+        recompute_seconds=sum(c.seconds for c in picked),
+        solve_seconds=time.perf_counter() - started,
+        optimality_gap=optimality_gap,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Baselines, judged by the same model
+
+
+def no_checkpoint(problem: ChainProblem, objective: str = "flops") -> Solution:
+    return _chain_solution(problem, "none", [], time.perf_counter())
+
+
+def every_block(problem: ChainProblem, objective: str = "flops") -> Solution:
+    started = time.perf_counter()
+    return _chain_solution(problem, "every-block", [(i, i) for i in range(len(problem.blocks))], started)
+
+
+def sqrt_n(problem: ChainProblem, objective: str = "flops") -> Solution:
+    """Chen et al. 2016 ("Training deep nets with sublinear memory cost"): segments of about √n consecutive
+    blocks, all checkpointed; a segment that would cross a group boundary is split there."""
+    started = time.perf_counter()
+    n = len(problem.blocks)
+    length = max(1, round(math.sqrt(n)))
+    pieces = [(first, min(first + length, n) - 1) for first in range(0, n, length)]
+    return _chain_solution(problem, "sqrt-n", _split_at_groups(problem, pieces), started)
+
+
+def uniform_k(problem: ChainProblem, k: int, objective: str = "flops") -> Solution:
+    """What torch.utils.checkpoint.checkpoint_sequential(blocks, k) does: k segments of n // k blocks, the first
+    k - 1 checkpointed and the last (with the remainder) run normally; split at group boundaries."""
+    started = time.perf_counter()
+    if k < 1:
+        raise BadInput(f"uniform-k needs k >= 1, got {k}")
+    size = len(problem.blocks) // k
+    pieces = [(first, first + size - 1) for first in range(0, size * (k - 1), size)] if size else []
+    return _chain_solution(problem, "uniform-k", _split_at_groups(problem, pieces), started)
+
+
+def _split_at_groups(problem: ChainProblem, pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    ends = _run_ends(problem.blocks)
+    spans = []
+    for first, last in pieces:
+        while first <= last:
+            spans.append((first, min(last, ends[first])))
+            first = spans[-1][1] + 1
+    return spans
+
+
+# --------------------------------------------------------------------------------------------------
+# Brute force, the tests' reference
+
+
+def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
+    """Every selection, depth first: at each block, keep it or start a segment of any allowed length there.
+    Memory, largest segment and cost are carried along, so each selection costs O(1) beyond its parent."""
+    started = time.perf_counter()
+    blocks = problem.blocks
+    n = len(blocks)
+    if n > BRUTE_FORCE_MAX_BLOCKS:
+        raise BadInput(f"brute force takes at most {BRUTE_FORCE_MAX_BLOCKS} blocks, got {n}")
+    costs = _costs(blocks, objective)
+    ends = _run_ends(blocks)
+    headroom = problem.budget_bytes - problem.fixed_bytes
+    best: list = [None, None]  # [rank, spans]; fitting selections rank by (cost, peak), the rest by (peak, cost)
+
+    def visit(k: int, mem: int, largest: int, cost: float, spans: tuple) -> None:
+        if k == n:
+            peak = mem + largest
+            rank = (0, cost, peak) if peak <= headroom else (1, peak, cost)
+            if best[0] is None or rank < best[0]:
+                best[:] = [rank, spans]
+            return
+        visit(k + 1, mem + blocks[k].saved_bytes, largest, cost, spans)
+        saved, extra = 0, 0.0
+        for last in range(k, ends[k] + 1):
+            saved += blocks[last].saved_bytes
+            extra += costs[last]
+            visit(last + 1, mem + blocks[k].input_bytes, max(largest, saved), cost + extra, (*spans, (k, last)))
+
+    visit(0, 0, 0, 0.0, ())
+    return _chain_solution(problem, "brute-force", best[1], started, optimality_gap=0.0)
+
+
+SOLVERS: dict[str, Callable[..., Solution]] = {
+    "optimal-dp": solve_chain_dp,
+    "milp": solve_milp,
+    "none": no_checkpoint,
+    "every-block": every_block,
+    "sqrt-n": sqrt_n,
+    "uniform-k": uniform_k,  # needs k=
+    "brute-force": brute_force,
+}

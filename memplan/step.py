@@ -1,0 +1,328 @@
+"""The training step: the one contract that the tracer (under fake tensors) and the verifier (on real
+memory) both run, so that a prediction and its measurement always mean the same step.
+
+    model, inputs = NAME(batch_size)                  # fp32, CPU
+    move to the target device; cast for the precision
+    optimizer = OPTIMIZERS[name](trainable params)    # torch defaults for that device, lr=1e-3
+    repeat for each step:
+        for each of grad_accum micro-batches:         # each micro-batch is `inputs`
+            [autocast] loss = loss_of(model(inputs)) / grad_accum; [scaled] backward
+            (the output and the loss are released after backward)
+        [unscale] optimizer.step(); [scaler.update()]; optimizer.zero_grad(set_to_none=True)
+
+Precisions and optimizers are registries (name -> rule); `run_steps` reports each phase boundary
+through a callback so that the caller can measure or tag what happens in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memplan.errors import BadInput
+
+LEARNING_RATE = 1e-3
+PHASES = ("forward", "backward", "optimizer")
+
+
+# --------------------------------------------------------------------------------------------------
+# Precisions
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    description: str
+    param_dtype: torch.dtype = torch.float32  # what the model's floating parameters and buffers hold
+    autocast_dtype: torch.dtype | None = None  # autocast around forward and loss, when set
+    loss_scaling: bool = False  # dynamic loss scale (torch.amp.GradScaler)
+    master_weights: bool = False  # the optimizer updates fp32 copies of the model's parameters
+    norm_layers_fp32: bool = False  # BatchNorm keeps fp32 parameters and statistics (Apex O2)
+    tf32: bool = False  # TF32 matmuls and convolutions on CUDA
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", "fp32 everywhere"),
+        Precision("tf32", "fp32 storage, TF32 matmuls and convolutions on CUDA", tf32=True),
+        Precision(
+            "amp-fp16",
+            "fp32 weights, fp16 autocast, dynamic loss scaling (Apex O1)",
+            autocast_dtype=torch.float16,
+            loss_scaling=True,
+        ),
+        Precision("amp-bf16", "fp32 weights, bf16 autocast", autocast_dtype=torch.bfloat16),
+        Precision(
+            "fp16-master",
+            "fp16 model, fp32 master weights in the optimizer, loss scaling, BatchNorm in fp32 (Apex O2)",
+            param_dtype=torch.float16,
+            loss_scaling=True,
+            master_weights=True,
+            norm_layers_fp32=True,
+        ),
+        Precision("bf16", "whole model in bf16 (Apex O3 style)", param_dtype=torch.bfloat16),
+        Precision("fp16", "whole model in fp16, no loss scaling (Apex O3)", param_dtype=torch.float16),
+    )
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimizers
+
+
+def _bitsandbytes_adamw8bit(params: list[nn.Parameter], foreach: bool | None) -> torch.optim.Optimizer:
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise BadInput("optimizer adamw-8bit needs bitsandbytes (pip install bitsandbytes) and a CUDA GPU") from None
+    return bitsandbytes.optim.AdamW8bit(params, lr=LEARNING_RATE)
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    name: str
+    description: str
+    # build(trainable params, foreach) -> optimizer; foreach=None leaves torch's default for the device
+    build: Callable[[list[nn.Parameter], bool | None], torch.optim.Optimizer]
+    needs_cuda: bool = False
+
+
+def _torch_optimizer(cls: type, **kwargs: Any) -> Callable[[list[nn.Parameter], bool | None], torch.optim.Optimizer]:
+    def build(params: list[nn.Parameter], foreach: bool | None) -> torch.optim.Optimizer:
+        return cls(params, lr=LEARNING_RATE, foreach=foreach, **kwargs)
+
+    return build
+
+
+OPTIMIZERS: dict[str, OptimizerRule] = {
+    r.name: r
+    for r in (
+        OptimizerRule("sgd", "plain SGD, no state", _torch_optimizer(torch.optim.SGD)),
+        OptimizerRule("sgd-momentum", "SGD, momentum 0.9", _torch_optimizer(torch.optim.SGD, momentum=0.9)),
+        OptimizerRule("adam", "Adam", _torch_optimizer(torch.optim.Adam)),
+        OptimizerRule("adamw", "AdamW", _torch_optimizer(torch.optim.AdamW)),
+        OptimizerRule("adagrad", "Adagrad", _torch_optimizer(torch.optim.Adagrad)),
+        OptimizerRule("rmsprop", "RMSprop", _torch_optimizer(torch.optim.RMSprop)),
+        OptimizerRule("adafactor", "torch.optim.Adafactor (factored second moment)", _torch_optimizer(torch.optim.Adafactor)),
+        OptimizerRule(
+            "adamw-8bit",
+            "bitsandbytes AdamW8bit (blockwise 8-bit state)",
+            _bitsandbytes_adamw8bit,
+            needs_cuda=True,
+        ),
+    )
+}
+
+
+def precision_rule(name: str) -> Precision:
+    return _lookup(PRECISIONS, name, "precision")
+
+
+def optimizer_rule(name: str) -> OptimizerRule:
+    return _lookup(OPTIMIZERS, name, "optimizer")
+
+
+def _lookup(registry: Mapping[str, Any], name: str, what: str) -> Any:
+    if name not in registry:
+        raise BadInput(f"unknown {what} {name!r}; expected one of: {', '.join(registry)}")
+    return registry[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# The step
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    grad_accum: int = 1
+    steps: int = 3
+
+    def __post_init__(self) -> None:
+        precision_rule(self.precision)
+        optimizer_rule(self.optimizer)
+        if self.grad_accum < 1:
+            raise BadInput(f"--grad-accum must be at least 1, got {self.grad_accum}")
+        if self.steps < 1:
+            raise BadInput(f"--steps must be at least 1, got {self.steps}")
+
+
+@dataclass
+class PreparedStep:
+    """Everything the step holds on the device between steps."""
+
+    model: nn.Module
+    inputs: tuple | dict
+    device: torch.device
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    # (model parameter, fp32 master copy) pairs for precisions with master weights
+    master_pairs: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+
+
+def _is_norm_layer(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def convert_module(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
+    """Move and cast parameters and buffers by replacing them (Module.to() cannot swap fake
+    parameters). Tied parameters stay tied; integer buffers keep their dtype."""
+    converted: dict[int, torch.Tensor] = {}
+
+    def convert(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if id(tensor) not in converted:
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            with torch.no_grad():
+                new = tensor.to(device=device, dtype=target)
+            if isinstance(tensor, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+            converted[id(tensor)] = new
+        return converted[id(tensor)]
+
+    for module in model.modules():
+        dtype = torch.float32 if precision.norm_layers_fp32 and _is_norm_layer(module) else precision.param_dtype
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = convert(param, dtype)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = convert(buf, dtype)
+    return model
+
+
+def convert_inputs(inputs: tuple | dict, device: torch.device, precision: Precision) -> tuple | dict:
+    """Move inputs; floating inputs take the model's dtype (autocast precisions keep them fp32)."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            dtype = precision.param_dtype if value.is_floating_point() else value.dtype
+            return value.to(device=device, dtype=dtype)
+        return value
+
+    if isinstance(inputs, dict):
+        return {k: convert(v) for k, v in inputs.items()}
+    return tuple(convert(v) for v in inputs)
+
+
+def prepare_step(
+    model: nn.Module,
+    inputs: tuple | dict,
+    config: StepConfig,
+    device: torch.device | str,
+    foreach: bool | None = None,
+) -> PreparedStep:
+    """Move and cast the model and inputs, build the optimizer (and scaler, master weights)."""
+    device = torch.device(device)
+    precision = precision_rule(config.precision)
+    model = convert_module(model, device, precision)
+    model.train()
+    inputs = convert_inputs(inputs, device, precision)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    master_pairs = []
+    if precision.master_weights:
+        for p in trainable:
+            master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())
+            master_pairs.append((p, master))
+        trainable = [m for _, m in master_pairs]
+    optimizer = optimizer_rule(config.optimizer).build(trainable, foreach)
+    scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
+    return PreparedStep(model, inputs, device, optimizer, scaler, master_pairs)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """A scalar tensor output is the loss; an output with a `loss` attribute or key uses that;
+    otherwise the loss is `first_tensor_output.float().mean()`."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    if isinstance(getattr(output, "loss", None), torch.Tensor):
+        return output.loss
+    first = _first_tensor(output)
+    if first is None:
+        raise BadInput(f"the model's output ({type(output).__name__}) holds no tensor to take a loss from")
+    return first.float().mean()
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+PhaseCallback = Callable[[str, int], None]
+
+
+def default_autocast(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def run_steps(
+    prepared: PreparedStep,
+    config: StepConfig,
+    on_phase: PhaseCallback = lambda phase, step: None,
+    autocast: Callable[[str, torch.dtype], contextlib.AbstractContextManager] = default_autocast,
+) -> None:
+    """Run `config.steps` training steps. `on_phase(phase, step)` is called as each phase begins
+    ("forward", "backward", "optimizer") and with ("end", step) when a step is over."""
+    precision = precision_rule(config.precision)
+    model, optimizer, scaler = prepared.model, prepared.optimizer, prepared.scaler
+    device_type = prepared.device.type
+    with _tf32(precision.tf32):
+        for step in range(config.steps):
+            for _ in range(config.grad_accum):
+                on_phase("forward", step)
+                with autocast(device_type, precision.autocast_dtype) if precision.autocast_dtype else contextlib.nullcontext():
+                    output = _call(model, prepared.inputs)
+                    loss = loss_of(output)
+                loss = loss / config.grad_accum if config.grad_accum > 1 else loss
+                on_phase("backward", step)
+                (scaler.scale(loss) if scaler else loss).backward()
+                del output, loss
+            on_phase("optimizer", step)
+            _optimizer_step(prepared)
+            on_phase("end", step)
+
+
+def _optimizer_step(prepared: PreparedStep) -> None:
+    optimizer, scaler = prepared.optimizer, prepared.scaler
+    for param, master in prepared.master_pairs:
+        if param is not master and param.grad is not None:
+            master.grad = param.grad.float()
+            param.grad = None
+    if scaler:
+        scaler.step(optimizer)  # unscales, skips the step on inf/nan
+        scaler.update()
+    else:
+        optimizer.step()
+    with torch.no_grad():
+        for param, master in prepared.master_pairs:
+            if param is not master:
+                param.copy_(master)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _call(model: nn.Module, inputs: tuple | dict) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
