@@ -51,6 +51,7 @@ class OpCall:
     rule: int | None
     net: int = 0
     peak: int = 0  # running maximum of allocations minus frees inside the op
+    events: tuple[int, ...] = ()  # the allocator events inside the op, in order (+alloc, -free)
 
     @property
     def extra(self) -> int:
@@ -122,10 +123,11 @@ def attribute(prof: Any, calls: list[OpCall]) -> list[tuple[int, int]]:
         if node.name.startswith(_TAG):
             call = calls[int(node.name[len(_TAG):])]
             running = 0
-            for _, nbytes in sorted(_allocations(node), key=lambda e: e[0]):
+            events = [nbytes for _, nbytes in sorted(_allocations(node), key=lambda e: e[0])]
+            for nbytes in events:
                 running += nbytes
                 call.peak = max(call.peak, running)
-            call.net = running
+            call.net, call.events = running, tuple(events)
             return
         for child in node.children:
             visit(child)
@@ -156,7 +158,8 @@ def calibrate(name: str, precision: str, optimizer: str, steps: int = 2) -> tupl
     return probe.calls, outside
 
 
-def report(calls: list[OpCall], outside: list[tuple[int, int]], show_all: bool, each: bool) -> None:
+def report(calls: list[OpCall], outside: list[tuple[int, int]], show_all: bool, each: bool,
+           events_of: str | None = None) -> None:
     header = f"{'op':42s} {'shapes':60s} {'dtype':18s} {'n':>4s} {'out':>10s} {'net':>10s} {'extra':>10s} {'rule':>10s}"
     print(header)
     rows: dict[tuple, list[OpCall]] = defaultdict(list)
@@ -174,6 +177,8 @@ def report(calls: list[OpCall], outside: list[tuple[int, int]], show_all: bool, 
             flag += "  <-- net!=out"
         print(f"{str(c.func):42s} {c.shapes[:60]:60s} {c.dtypes:18s} {len(group):4d} {c.out_bytes:10d} {c.net:10d} "
               f"{c.extra:10d} {rule:>10s}{flag}  [{c.phase}]")
+        if events_of and any(name in str(c.func) for name in events_of.split(",")):
+            print("    events:", " ".join(f"{n:+d}" for n in c.events))
     if outside:
         allocs = [n for _, n in outside if n > 0]
         print(f"outside any op: {len(allocs)} allocations, {sum(allocs)} bytes: {allocs[:20]}")
@@ -188,6 +193,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--all", action="store_true", help="print every (op, shapes) group")
     parser.add_argument("--each", action="store_true", help="print every op call")
+    parser.add_argument("--events", metavar="OP", help="also print the allocator events inside ops named like OP")
     options = parser.parse_args()
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -196,7 +202,7 @@ def main() -> None:
             for optimizer in options.optimizers.split(","):
                 print(f"== {name} {precision} {optimizer} threads={torch.get_num_threads()}")
                 calls, outside = calibrate(name, precision, optimizer, options.steps)
-                report(calls, outside, options.all, options.each)
+                report(calls, outside, options.all, options.each, options.events)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from tabulate import tabulate
 import memplan
 from cli.common import JsonOpt, handles_errors, print_json
 from cli.emit_cmd import emit_command
+from cli.estimate_cmd import estimate_command
+from cli.plan_cmd import max_batch_command, plan_command
 from cli.verify_cmd import verify_command
 
 app = typer.Typer(
@@ -64,15 +66,11 @@ def models_command(as_json: JsonOpt = False) -> None:
         typer.echo(tabulate(table, headers=["model", "family", "parameters", "default batch", "input"]))
 
 
-app.command("verify")(verify_command)
-
-
-app.command("emit")(emit_command)
-
-
-from cli.estimate_cmd import estimate_command  # noqa: E402
-
 app.command("estimate")(estimate_command)
+app.command("plan")(plan_command)
+app.command("max-batch")(max_batch_command)
+app.command("verify")(verify_command)
+app.command("emit")(emit_command)
 
 
 def main() -> None:

@@ -110,13 +110,19 @@ def verify_command(
         typer.echo(_table(workload, config, measurement, prediction, comparison))
 
     if measurement.oom:
-        raise DoesNotFit(f"does not fit: out of memory in {measurement.oom_phase} of step {measurement.oom_step}")
+        raise DoesNotFit(f"does not fit: {_oom_where(measurement)}")
     if tolerance is not None and not comparison.within(tolerance):
         raise ToleranceExceeded(
             f"measured peak {format_bytes(measurement.measured_peak_bytes)} and predicted "
             f"{format_bytes(comparison.predicted_peak_bytes or 0)} differ by {comparison.error_pct:+.1f}%, "
             f"more than the tolerance of {tolerance:g}%"
         )
+
+
+def _oom_where(measurement: Measurement) -> str:
+    if measurement.oom_phase == "setup":
+        return f"out of memory while building the model and moving it to {measurement.device}"
+    return f"out of memory in {measurement.oom_phase} of step {measurement.oom_step}"
 
 
 def _round(value: float | None) -> float | None:
@@ -169,7 +175,7 @@ def _table(
         f"{f', plan {measurement.plan_method}' if measurement.plan_method else ''}"
     )
     if measurement.oom:
-        head += f" - out of memory in {measurement.oom_phase} of step {measurement.oom_step} (figures up to then)"
+        head += f" - {_oom_where(measurement)} (figures up to then)"
     rows = [[row.phase, _fmt(row.measured_bytes), _fmt(row.predicted_bytes), _pct(row.error_pct)]
             for row in comparison.rows]
     lines = [head, "", tabulate(rows, headers=["phase", "measured", "predicted", "error %"],

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from memplan.allocator import CudaCachingAllocator, ExactAllocator
 from memplan.errors import BadInput
 from memplan.scratch import scratch_of
 from memplan.step import StepConfig, optimizer_rule
@@ -64,7 +65,8 @@ class DeviceModel:
     workspace_ops: frozenset[str] = frozenset()
     foreach_optimizers: bool = False  # torch's optimizer default: foreach on CUDA, for-loop on the CPU
     autocast_lists: str | None = None  # "cuda": emulate CUDA's autocast op lists on fake CPU tensors
-    new_reserved_tracker: Callable[[int], Any] | None = None
+    # allocator(baseline storage id -> bytes): the allocator model, with the baseline already live
+    allocator: Callable[[dict[int, int]], Any] = ExactAllocator.from_live
 
     def trace_rules(self, config: StepConfig) -> TraceRules:
         foreach = None
@@ -82,8 +84,6 @@ DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an H100/H200 unless --gpu says otherwise
 
 
 def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY) -> DeviceModel:
-    from memplan.allocator import CudaCachingAllocator
-
     return DeviceModel(
         name="cuda",
         description=f"CUDA caching allocator, compute capability {compute_capability[0]}.{compute_capability[1]}",
@@ -93,7 +93,7 @@ def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY)
         workspace_ops=CUBLAS_OPS,
         foreach_optimizers=True,
         autocast_lists="cuda",
-        new_reserved_tracker=CudaCachingAllocator,
+        allocator=CudaCachingAllocator.from_live,
     )
 
 

@@ -216,7 +216,7 @@ def _check_paths(segment: Segment) -> None:
     if not all(isinstance(path, str) for path in segment.modules):
         raise BadInput(f"segment {_show(segment)}: module paths must be strings")
     if len(segment.modules) > 1:
-        if len({path.rpartition(".")[0] for path in segment.modules}) > 1:
+        if "" in segment.modules or len({path.rpartition(".")[0] for path in segment.modules}) > 1:
             raise BadInput(f"run {_show(segment)}: the modules are not siblings of one parent")
         if len(set(segment.modules)) < len(segment.modules):
             raise BadInput(f"run {_show(segment)}: a module appears twice")

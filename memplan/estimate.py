@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -17,6 +17,9 @@ from memplan.devices import DeviceModel, device_model
 from memplan.step import PHASES, StepConfig
 from memplan.trace import ROLES, Trace, trace_step
 from memplan.workload import Workload
+
+
+TRACED_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -98,65 +101,52 @@ class Estimate:
 
 
 def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> Simulation:
-    """Replay the trace's allocations and frees through the device's allocator accounting."""
+    """Replay the trace's allocations and frees through the device's allocator model."""
     size = {sid: device.block_bytes(s.nbytes) for sid, s in trace.storages.items()}
-    live = {sid for sid, s in trace.storages.items() if s.allocated_by is None}
-    total = sum(size[sid] for sid in live)
+    baseline = {sid: size[sid] for sid, s in trace.storages.items() if s.allocated_by is None}
+    allocator = device.allocator(baseline)
     workspaces: set[str] = set()  # threads whose cuBLAS workspace is allocated
     phase, step = "setup", -1
-    peak, peak_event, peak_phase, peak_step = total, -1, phase, step
+    peak, peak_event, peak_phase, peak_step = allocator.allocated, -1, phase, step
     phase_peaks: dict[str, int] = defaultdict(int)
     step_peaks: dict[int, int] = defaultdict(int)
     timeline_live, timeline_phases = [], []
-    by_role = _by_role(trace, size, live) if with_timeline else None
-    reserved = device.new_reserved_tracker(total) if device.new_reserved_tracker else None
+    by_role = _by_role(trace, size, set(baseline)) if with_timeline else None
 
-    def record(moment_bytes: int, index: int) -> None:
+    def record(index: int) -> None:
         nonlocal peak, peak_event, peak_phase, peak_step
+        moment = allocator.allocated
         if phase in PHASES:
-            phase_peaks[phase] = max(phase_peaks[phase], moment_bytes)
-            step_peaks[step] = max(step_peaks[step], moment_bytes)
-        if moment_bytes > peak:
-            peak, peak_event, peak_phase, peak_step = moment_bytes, index, phase, step
+            phase_peaks[phase] = max(phase_peaks[phase], moment)
+            step_peaks[step] = max(step_peaks[step], moment)
+        if moment > peak:
+            peak, peak_event, peak_phase, peak_step = moment, index, phase, step
 
     for index, event in enumerate(trace.events):
         if event.kind == "phase":
             phase, step = event.phase, event.step
-            record(total, index)
-            continue
-        if event.kind == "alloc":
+        elif event.kind == "alloc":
             thread = _thread(phase)
             if device.workspace_bytes and thread not in workspaces and trace.ops[event.op].name in device.workspace_ops:
                 workspaces.add(thread)  # the library's workspace comes from the same allocator, once a thread
-                total += device.workspace_bytes
-                if reserved:
-                    reserved.alloc(f"workspace-{thread}", device.workspace_bytes)
-            live.add(event.storage)
-            total += size[event.storage]
-            if reserved:
-                reserved.alloc(event.storage, size[event.storage])
+                allocator.alloc(("workspace", thread), device.workspace_bytes)
+            allocator.alloc(event.storage, size[event.storage])
             if by_role is not None:
                 by_role[trace.storages[event.storage].role] += size[event.storage]
-            record(total, index)
         elif event.kind == "free":
-            if event.storage in live:
-                live.discard(event.storage)
-                total -= size[event.storage]
-                if reserved:
-                    reserved.free(event.storage)
-                if by_role is not None:
-                    by_role[trace.storages[event.storage].role] -= size[event.storage]
+            allocator.free(event.storage)
+            if by_role is not None and event.storage in size:
+                by_role[trace.storages[event.storage].role] -= size[event.storage]
         elif event.kind == "scratch":
-            scratch = device.block_bytes(event.nbytes)
-            if reserved:
-                reserved.alloc("scratch", scratch)
-                reserved.free("scratch")
-            record(total + scratch, index)
+            allocator.alloc("scratch", device.block_bytes(event.nbytes))
+            record(index)
+            allocator.free("scratch")
+        record(index)
         if by_role is not None:
             timeline_live.append(dict(by_role, workspace=device.workspace_bytes * len(workspaces)))
             timeline_phases.append((phase, step))
 
-    breakdown, top = _at_event(trace, size, peak_event, device)
+    breakdown, top = _at_event(trace, size, peak_event, peak)
     steps = sorted(step_peaks)
     return Simulation(
         peak_bytes=peak,
@@ -167,7 +157,7 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
         phase_peaks={p: phase_peaks.get(p, 0) for p in PHASES},
         first_step_peak_bytes=step_peaks[steps[0]] if steps else peak,
         later_steps_peak_bytes=max(step_peaks[s] for s in steps[1:]) if len(steps) > 1 else None,
-        reserved_bytes=reserved.peak_reserved if reserved else None,
+        reserved_bytes=allocator.peak_reserved,
         top_modules=top,
         timeline=Timeline(tuple(timeline_live), tuple(timeline_phases)) if by_role is not None else None,
     )
@@ -185,24 +175,18 @@ def _by_role(trace: Trace, size: dict[int, int], live: set[int]) -> dict[str, in
     return counts
 
 
-def _at_event(trace: Trace, size: dict[int, int], stop: int, device: DeviceModel) -> tuple[Breakdown, tuple]:
-    """The storages live right after event `stop`, by role; and the modules whose activations they are."""
+def _at_event(trace: Trace, size: dict[int, int], stop: int, peak: int) -> tuple[Breakdown, tuple]:
+    """The storages live right after event `stop`, by role; and the modules whose activations they are.
+    Bytes the allocator hands out beyond the requests (scratch, library workspaces, a large block it
+    does not split) count as temporaries, so that the categories add up to the peak."""
     live = {sid for sid, s in trace.storages.items() if s.allocated_by is None}
-    scratch = 0
-    workspaces, phase = set(), "setup"
-    for index, event in enumerate(trace.events[: stop + 1]):
-        if event.kind == "phase":
-            phase = event.phase
-        elif event.kind == "alloc":
+    for event in trace.events[: stop + 1]:
+        if event.kind == "alloc":
             live.add(event.storage)
-            if device.workspace_bytes and trace.ops[event.op].name in device.workspace_ops:
-                workspaces.add(_thread(phase))
         elif event.kind == "free":
             live.discard(event.storage)
-        elif event.kind == "scratch" and index == stop:
-            scratch = device.block_bytes(event.nbytes)
     counts = _by_role(trace, size, live)
-    counts["temporaries"] += scratch + device.workspace_bytes * len(workspaces)
+    counts["temporaries"] += peak - sum(counts.values())
     modules: dict[str, int] = defaultdict(int)
     for sid in live:
         if trace.storages[sid].role == "activations":
@@ -218,11 +202,25 @@ def estimate(
     transform: Callable[[nn.Module], nn.Module] | None = None,
     with_timeline: bool = False,
 ) -> Estimate:
-    """Trace the step under fake tensors and predict its memory on `device` ("cuda" or "cpu")."""
+    """Trace the step under fake tensors and predict its memory on `device` ("cuda" or "cpu").
+    `transform` changes the built model first (e.g. applies a checkpoint plan)."""
+    return estimate_and_trace(workload, config, device, transform, with_timeline)[0]
+
+
+def estimate_and_trace(
+    workload: Workload,
+    config: StepConfig,
+    device: str = "cuda",
+    transform: Callable[[nn.Module], nn.Module] | None = None,
+    with_timeline: bool = False,
+) -> tuple[Estimate, Trace]:
+    """`estimate`, and the trace it was made from (for the planner)."""
     model = device_model(device)
-    trace = trace_step(workload, config, model.trace_rules(config), transform=transform)
+    # Steps after the second repeat it exactly (same allocations, same order): tracing two is enough.
+    traced = replace(config, steps=min(config.steps, TRACED_STEPS))
+    trace = trace_step(workload, traced, model.trace_rules(config), transform=transform)
     sim = simulate(trace, model, with_timeline=with_timeline)
-    return Estimate(
+    result = Estimate(
         model=workload.spec,
         precision=config.precision,
         optimizer=config.optimizer,
@@ -242,3 +240,4 @@ def estimate(
         approximate_ops=trace.approximate_ops,
         simulation=sim,
     )
+    return result, trace

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from memplan.errors import BadInput
+from memplan.optim8bit import AdamW8bitLayout
 
 LEARNING_RATE = 1e-3
 PHASES = ("forward", "backward", "optimizer")
@@ -91,6 +92,8 @@ class OptimizerRule:
     # build(trainable params, foreach) -> optimizer; foreach=None leaves torch's default for the device
     build: Callable[[list[nn.Parameter], bool | None], torch.optim.Optimizer]
     needs_cuda: bool = False
+    # what the tracer runs instead, when the real optimizer cannot run under fake tensors
+    stand_in: Callable[[list[nn.Parameter], bool | None], torch.optim.Optimizer] | None = None
 
 
 def _torch_optimizer(cls: type, **kwargs: Any) -> Callable[[list[nn.Parameter], bool | None], torch.optim.Optimizer]:
@@ -115,6 +118,7 @@ OPTIMIZERS: dict[str, OptimizerRule] = {
             "bitsandbytes AdamW8bit (blockwise 8-bit state)",
             _bitsandbytes_adamw8bit,
             needs_cuda=True,
+            stand_in=lambda params, foreach: AdamW8bitLayout(params, lr=LEARNING_RATE),
         ),
     )
 }
@@ -217,8 +221,10 @@ def prepare_step(
     config: StepConfig,
     device: torch.device | str,
     foreach: bool | None = None,
+    stand_in: bool = False,
 ) -> PreparedStep:
-    """Move and cast the model and inputs, build the optimizer (and scaler, master weights)."""
+    """Move and cast the model and inputs, build the optimizer (and scaler, master weights).
+    `stand_in` builds the optimizer's fake-tensor stand-in where it has one (for the tracer)."""
     device = torch.device(device)
     precision = precision_rule(config.precision)
     model = convert_module(model, device, precision)
@@ -231,7 +237,8 @@ def prepare_step(
             master = p if p.dtype == torch.float32 else nn.Parameter(p.detach().float())
             master_pairs.append((p, master))
         trainable = [m for _, m in master_pairs]
-    optimizer = optimizer_rule(config.optimizer).build(trainable, foreach)
+    rule = optimizer_rule(config.optimizer)
+    optimizer = (rule.stand_in if stand_in and rule.stand_in else rule.build)(trainable, foreach)
     scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
     return PreparedStep(model, inputs, device, optimizer, scaler, master_pairs)
 

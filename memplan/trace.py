@@ -282,7 +282,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
-        prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach)
+        prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
         _register_baseline(recorder, prepared)
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}

@@ -346,6 +346,7 @@ def _measure_cuda(
     context = total = None
     try:
         try:
+            torch.cuda.reset_peak_memory_stats(dev)
             prepared = _prepare(workload, config, device, plan, foreach)
             gc.collect()
             torch.cuda.synchronize(dev)
@@ -468,11 +469,16 @@ def _mark(phase: str, step: int) -> None:
 
 
 def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, foreach: bool | None) -> Measurement:
+    tracker = _PhaseTracker()
     gc.collect()
-    prepared = _prepare(workload, config, "cpu", plan, foreach)
+    try:
+        prepared = _prepare(workload, config, "cpu", plan, foreach)
+    except (RuntimeError, MemoryError) as error:
+        if not _is_cpu_oom(error):
+            raise
+        return _result("cpu", "cpu", config, _Peaks(), 0, 0, tracker, error.with_traceback(None), plan)
     gc.collect()
     baseline = live_state_bytes(prepared)
-    tracker = _PhaseTracker()
 
     def on_phase(phase: str, step: int) -> None:
         tracker.update(phase, step)

@@ -237,6 +237,7 @@ def test_fake_tensor_mode_forward_backward():
         ([("blocks.0", "blocks.2")], "not consecutive"),
         ([("blocks.1", "blocks.0")], "not consecutive"),
         ([("blocks.2", "pair")], "not siblings"),
+        ([("", "embed")], "not siblings"),
         ([("embed", "pair")], "not an nn.Sequential or nn.ModuleList"),
         ([("blocks.0", "blocks.0")], "appears twice"),
         ([("blocks.0", "blocks.1"), ("blocks.1",)], "in two segments"),

@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Check memplan's predictions against real GPU memory: verify-with-prediction over the zoo at realistic
+sizes x precisions x optimizers, with and without a checkpoint plan, in one table.
+
+    python scripts/gpu_check.py                      # one NVIDIA GPU, about 8 minutes at most
+    python scripts/gpu_check.py --device cpu --quick # smoke test: tiny models on the CPU
+
+Writes the table to benchmarks/results/gpu_check_<gpu name>.md (or --out). Each row runs in its own
+try/except: a failure (or an out-of-memory, which is a result) is a row, not the end of the table.
+Rows run in priority order and stop when the time budget (--budget-s, 450 s) is spent; the rest are
+listed as skipped. Sizes are for a GPU with 40 GiB or more; smaller GPUs get half the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from memplan.errors import MemplanError  # noqa: E402
+from memplan.plan import Plan, Segment  # noqa: E402
+from memplan.step import StepConfig  # noqa: E402
+from memplan.units import format_bytes  # noqa: E402
+from memplan.verify import Prediction, PredictionUnavailable, error_pct, measure, predict, resolve_device  # noqa: E402
+from memplan.workload import Workload, resolve_workload  # noqa: E402
+
+PRECISIONS = ("fp32", "amp-fp16", "amp-bf16", "bf16", "fp16-master")
+OPTIMIZERS = ("sgd-momentum", "adamw", "adafactor", "adamw-8bit")
+STEPS = 2  # the first step (creates optimizer state) and one later step
+PLAN_BUDGET_FRACTION = 0.6  # a checkpoint plan aims at this fraction of the unplanned predicted peak
+HEADERS = ["model", "precision", "optimizer", "plan", "predicted", "measured allocated", "measured reserved", "error %"]
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch_size: int
+    precision: str
+    optimizer: str
+    plan: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    tag: str | None = None  # how the label shows the options (default: all of them)
+
+    @property
+    def label(self) -> str:
+        extra = self.tag or ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.model} b{self.batch_size}{f' ({extra})' if extra else ''}"
+
+
+def gpu_cases(small_gpu: bool) -> list[Case]:
+    """Realistic sizes, in priority order: the full cross product on GPT-2 first, then each family."""
+    half = 2 if small_gpu else 1
+    gpt2 = dict(model="gpt2", batch_size=8 // half)
+    cases = [Case(**gpt2, precision=p, optimizer=o) for p in PRECISIONS for o in OPTIMIZERS]
+    cases += [Case(**gpt2, precision=p, optimizer="adamw", plan=True) for p in PRECISIONS]
+    # a Llama-2-7B-wide model cut to 4 layers: real block sizes, fits with fp32 AdamW state
+    llama = dict(model="llama2-7b", batch_size=1, options={"n_layer": 4, "seq_len": 2048 // half})
+    for model in (
+        llama,
+        dict(model="bert-base", batch_size=16 // half),
+        dict(model="resnet50", batch_size=64 // half),
+        dict(model="vit-b16", batch_size=32 // half),
+        dict(model="gpt2-medium", batch_size=4 // half),
+        dict(model="unet", batch_size=8 // half),
+        dict(model="lstm", batch_size=32 // half),
+    ):
+        cases += [
+            Case(**model, precision="fp32", optimizer="adamw"),
+            Case(**model, precision="amp-bf16", optimizer="adamw"),
+            Case(**model, precision="amp-fp16", optimizer="sgd-momentum"),
+            Case(**model, precision="bf16", optimizer="adafactor"),
+            Case(**model, precision="fp16-master", optimizer="adamw-8bit"),
+        ]
+        if model["model"] in ("llama2-7b", "bert-base", "gpt2-medium", "vit-b16"):
+            cases += [Case(**model, precision=p, optimizer="adamw", plan=True) for p in ("fp32", "amp-bf16")]
+    cases += [Case(**gpt2, precision=p, optimizer=o, plan=True) for p in PRECISIONS for o in OPTIMIZERS if o != "adamw"]
+    return cases
+
+
+def quick_cases() -> list[Case]:
+    """Tiny models: a smoke test of the script itself (the CPU runs amp and bf16 too)."""
+    from models import TINY_OVERRIDES
+
+    def tiny(model: str, batch_size: int = 2) -> dict[str, Any]:
+        return dict(model=model, batch_size=batch_size, options=dict(TINY_OVERRIDES[model]), tag="tiny")
+
+    return [
+        Case(**tiny("gpt2"), precision="fp32", optimizer="adamw"),
+        Case(**tiny("gpt2"), precision="amp-bf16", optimizer="sgd-momentum"),
+        Case(**tiny("gpt2"), precision="fp32", optimizer="adamw", plan=True),
+        Case(**tiny("llama3-8b"), precision="bf16", optimizer="adafactor"),
+        Case(**tiny("resnet18"), precision="fp32", optimizer="sgd-momentum"),
+        Case(**tiny("mlp"), precision="fp16-master", optimizer="adamw"),
+        Case(**tiny("mlp"), precision="fp32", optimizer="adamw-8bit"),
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def make_plan(workload: Workload, config: StepConfig, device: str, unplanned: Prediction | None) -> Plan:
+    """A checkpoint plan from memplan's planner at PLAN_BUDGET_FRACTION of the unplanned prediction;
+    without a planner (or a prediction), checkpoint every block of the model's largest block list."""
+    kind = torch.device(device).type
+    if unplanned is not None:
+        try:
+            from memplan.planner import plan_checkpoints
+        except ImportError:
+            plan_checkpoints = None
+        if plan_checkpoints is not None:
+            budget = int(unplanned.peak_bytes * PLAN_BUDGET_FRACTION)
+            return plan_checkpoints(workload, config, budget, device=kind).plan
+    return every_block_plan(workload, config, kind)
+
+
+def every_block_plan(workload: Workload, config: StepConfig, device: str) -> Plan:
+    with torch.device("meta"):
+        model, _ = workload.build()
+    lists = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.ModuleList)]
+    if not lists:
+        raise MemplanError(f"{workload.spec} has no block list to checkpoint")
+    name, blocks = max(lists, key=lambda item: len(item[1]))
+    segments = tuple(Segment((f"{name}.{i}",)) for i in range(len(blocks)))
+    return Plan(
+        model=workload.spec,
+        batch_size=workload.effective_batch_size,
+        precision=config.precision,
+        optimizer=config.optimizer,
+        grad_accum=config.grad_accum,
+        device=device,
+        method="every-block",
+        segments=segments,
+        feasible=True,
+        budget_bytes=None,
+        predicted_peak_bytes=0,
+        unplanned_peak_bytes=0,
+        recompute_flops=0,
+        step_flops=0,
+        options=dict(workload.options),
+    )
+
+
+def _prediction(workload: Workload, config: StepConfig, device: str, plan: Plan | None) -> Prediction | None:
+    try:
+        return predict(workload, config, device, plan)
+    except PredictionUnavailable:
+        return None
+
+
+def run_case(case: Case, device: str) -> list[str]:
+    workload = resolve_workload(case.model, case.batch_size, case.options)
+    config = StepConfig(precision=case.precision, optimizer=case.optimizer, steps=STEPS)
+    plan = None
+    plan_label = "-"
+    if case.plan:
+        plan = make_plan(workload, config, device, _prediction(workload, config, device, None))
+        plan_label = f"{plan.method} ({len(plan.segments)} seg)"
+    measurement = measure(workload, config, device, plan)
+    prediction = _prediction(workload, config, device, plan)
+    predicted = prediction.peak_bytes if prediction is not None else None
+    if measurement.oom:
+        measured = f"OOM in {measurement.oom_phase} of step {measurement.oom_step}"
+        error = "-"
+    else:
+        measured = format_bytes(measurement.measured_peak_bytes)
+        pct = error_pct(predicted, measurement.measured_peak_bytes)
+        error = "-" if pct is None else f"{pct:+.1f}%"
+    reserved = measurement.measured_reserved_bytes
+    return [
+        case.label,
+        case.precision,
+        case.optimizer,
+        plan_label,
+        "-" if predicted is None else format_bytes(predicted),
+        measured,
+        "-" if reserved is None else format_bytes(reserved),
+        error,
+    ]
+
+
+def _cleanup() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower() or "device"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="cuda (default when available), cuda:N or cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny models only (a smoke test)")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="stop starting rows after this many seconds")
+    parser.add_argument("--out", type=Path, default=None, help="markdown file (default benchmarks/results/...)")
+    parser.add_argument("--verbose", action="store_true", help="print each row's traceback on failure")
+    args = parser.parse_args(argv)
+
+    try:
+        device = resolve_device(args.device)
+    except MemplanError as error:
+        print(f"gpu_check: {error}", file=sys.stderr)
+        return 1
+    cuda = torch.device(device).type == "cuda"
+    name = torch.cuda.get_device_name(torch.device(device)) if cuda else "cpu"
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory if cuda else None
+    cases = quick_cases() if args.quick or not cuda else gpu_cases(small_gpu=total is not None and total < 40 * 2**30)
+    out = args.out or ROOT / "benchmarks" / "results" / f"gpu_check_{_slug(name)}{'_quick' if args.quick else ''}.md"
+
+    start = time.monotonic()
+    rows: list[list[str]] = []
+    for case in cases:
+        if time.monotonic() - start > args.budget_s:
+            rows.append([case.label, case.precision, case.optimizer, "plan" if case.plan else "-", "-", "skipped (time budget)", "-", "-"])
+            continue
+        began = time.monotonic()
+        try:
+            row = run_case(case, device)
+        except Exception as error:  # one failure is one row
+            if args.verbose:
+                traceback.print_exc()
+            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            row = [case.label, case.precision, case.optimizer, "plan" if case.plan else "-", "-",
+                   f"error: {message[:90]}", "-", "-"]
+        finally:
+            _cleanup()
+        rows.append(row)
+        print(f"[{time.monotonic() - start:6.1f}s] {' | '.join(row)}  ({time.monotonic() - began:.1f}s)",
+              file=sys.stderr, flush=True)
+
+    table = tabulate(rows, headers=HEADERS, tablefmt="github")
+    header = (
+        f"# memplan gpu_check: {name}\n\n"
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {device}"
+        f"{f' ({format_bytes(total)})' if total else ''}, {STEPS} steps per row, "
+        f"{time.monotonic() - start:.0f} s in all.\n"
+        "error % = (predicted - measured allocated) / measured allocated. "
+        f"Plans aim at {PLAN_BUDGET_FRACTION:.0%} of the unplanned prediction.\n\n"
+    )
+    print(table)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(header + table + "\n")
+        print(f"\nwritten to {out}", file=sys.stderr)
+    except OSError as error:
+        print(f"gpu_check: could not write {out}: {error}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
