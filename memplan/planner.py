@@ -126,10 +126,14 @@ def plan_checkpoints(
     fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in candidates.blocks))
     solver_budget = budget_bytes
     best: tuple[Plan, Estimate, Solution] | None = None
+    tried: set[tuple] = set()
     for _ in range(CLOSED_LOOP_ROUNDS):
         solution = _solve(method, ChainProblem(candidates.blocks, fixed, max(0, solver_budget)))
+        if solution.segments in tried:
+            break  # tightening no longer changes the choice
+        tried.add(solution.segments)
         plan, planned = _realise(workload, config, device, solution, budget_bytes, unplanned)
-        if best is None or planned.peak_bytes < best[1].peak_bytes or plan.feasible:
+        if best is None or plan.feasible or planned.peak_bytes < best[1].peak_bytes:
             best = (plan, planned, solution)
         if plan.feasible or not solution.feasible:
             break

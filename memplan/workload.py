@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from memplan.errors import BadInput
@@ -133,4 +134,6 @@ def _parse_value(text: str) -> Any:
 def _describe(value: Any) -> str:
     if isinstance(value, tuple):
         return f"a tuple of {len(value)}"
+    if isinstance(value, torch.Tensor):
+        return "Tensor"  # not FakeTensor: the user wrote a tensor
     return type(value).__name__

@@ -55,23 +55,20 @@ def linear_workload(batch_size: int = 64) -> Workload:
     return workload("linear", build, batch_size)
 
 
-def blocks_model() -> nn.Module:
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU()) for _ in range(4)]
-    )
-
-
 def blocks_workload(spec: str = "blocks") -> Workload:
-    def build(batch_size: int = 32):
-        return blocks_model(), (torch.randn(batch_size, 256),)
+    """Four blocks whose activations (1024 x 64 fp32, 256 KiB each) outweigh their weights (16 KiB)."""
 
-    return workload(spec, build, 32)
+    def build(batch_size: int = 1024):
+        blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU()) for _ in range(4)]
+        return nn.Sequential(*blocks), (torch.randn(batch_size, 64),)
+
+    return workload(spec, build, 1024)
 
 
 def make_plan(model: str, *paths: str, method: str = "manual") -> Plan:
     return Plan(
         model=model,
-        batch_size=32,
+        batch_size=1024,
         precision="fp32",
         optimizer="sgd",
         grad_accum=1,
