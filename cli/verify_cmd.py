@@ -12,7 +12,7 @@ from tabulate import tabulate
 from cli.common import BatchOpt, GradAccumOpt, JsonOpt, ModelArg, SetOpt, handles_errors, print_json
 from memplan.errors import BadInput, DoesNotFit, ToleranceExceeded
 from memplan.plan import load_plan
-from memplan.step import PRECISIONS, OPTIMIZERS, StepConfig
+from memplan.step import OPTIMIZERS, PRECISIONS, StepConfig
 from memplan.units import format_bytes
 from memplan.verify import (
     Comparison,
@@ -29,13 +29,11 @@ from memplan.verify import (
 )
 from memplan.workload import Workload, parse_options, resolve_workload
 
-PrecisionOpt = Annotated[
-    str, typer.Option("--precision", "-p", help=f"Precision: {', '.join(PRECISIONS)}.")
+PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help=f"Precision: {', '.join(PRECISIONS)}.")]
+OptimizerOpt = Annotated[str, typer.Option("--optimizer", "-o", help=f"Optimizer: {', '.join(OPTIMIZERS)}.")]
+StepsOpt = Annotated[
+    int, typer.Option("--steps", help="Training steps to run (the first one creates optimizer state).")
 ]
-OptimizerOpt = Annotated[
-    str, typer.Option("--optimizer", "-o", help=f"Optimizer: {', '.join(OPTIMIZERS)}.")
-]
-StepsOpt = Annotated[int, typer.Option("--steps", help="Training steps to run (the first one creates optimizer state).")]
 DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="cuda (default when a GPU is available), cuda:N or cpu.")
 ]
@@ -44,12 +42,17 @@ PlanOpt = Annotated[
 ]
 ToleranceOpt = Annotated[
     float | None,
-    typer.Option("--tolerance", help="Exit 3 when the measured peak differs from the predicted one by more than PCT %.",
-                 metavar="PCT"),
+    typer.Option(
+        "--tolerance",
+        help="Exit 3 when the measured peak differs from the predicted one by more than PCT %.",
+        metavar="PCT",
+    ),
 ]
 SnapshotOpt = Annotated[
     Path | None,
-    typer.Option("--snapshot", help="CUDA: write a memory snapshot (open it at pytorch.org/memory_viz).", metavar="FILE"),
+    typer.Option(
+        "--snapshot", help="CUDA: write a memory snapshot (open it at pytorch.org/memory_viz).", metavar="FILE"
+    ),
 ]
 NoPredictOpt = Annotated[bool, typer.Option("--no-predict", help="Measure only; do not run the estimator.")]
 
@@ -176,13 +179,21 @@ def _table(
     )
     if measurement.oom:
         head += f" - {_oom_where(measurement)} (figures up to then)"
-    rows = [[row.phase, _fmt(row.measured_bytes), _fmt(row.predicted_bytes), _pct(row.error_pct)]
-            for row in comparison.rows]
-    lines = [head, "", tabulate(rows, headers=["phase", "measured", "predicted", "error %"],
-                                colalign=("left", "right", "right", "right"))]
+    rows = [
+        [row.phase, _fmt(row.measured_bytes), _fmt(row.predicted_bytes), _pct(row.error_pct)] for row in comparison.rows
+    ]
+    lines = [
+        head,
+        "",
+        tabulate(
+            rows, headers=["phase", "measured", "predicted", "error %"], colalign=("left", "right", "right", "right")
+        ),
+    ]
     lines.append("")
-    extra = [("live at start (weights, inputs)", _fmt(measurement.baseline_bytes)),
-             ("first step peak", _fmt(measurement.first_step_peak_bytes))]
+    extra = [
+        ("live at start (weights, inputs)", _fmt(measurement.baseline_bytes)),
+        ("first step peak", _fmt(measurement.first_step_peak_bytes)),
+    ]
     if measurement.later_steps_peak_bytes is not None:
         extra.append(("later steps peak", _fmt(measurement.later_steps_peak_bytes)))
     if measurement.measured_reserved_bytes is not None:

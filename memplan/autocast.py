@@ -10,22 +10,26 @@ kernels cast the arguments of the listed ops and redispatch with autocast exclud
 land in the autograd graph (their saved tensors and backward casts count), composite ops that are not
 listed decompose with autocast still on (so e.g. cross_entropy's inner log_softmax and nll_loss meet
 their own policies), and a listed op's decomposition is not autocast again. The emulator keeps that
-mechanism and swaps only the lists: while it is in use, it registers Python kernels at AutocastCPU
-(`torch.library`) that apply the policies of `AUTOCAST_LISTS[lists]`, and registers fallthroughs over
-the native CPU kernels of ops that the emulated lists do not name; a region then simply turns CPU
-autocast on. The details that change memory are reproduced from aten/src/ATen/autocast_mode.{h,cpp}:
-the cast cache (a fp32 leaf that requires grad is cast to the low precision once per region, and the
-copy stays alive until the outermost region exits), eligibility (floating, not fp64), promote's widest
-type, fp32_set_opt_dtype (a missing dtype becomes fp32 rather than casting the input), fp32_append_dtype
-(norm), banned ops, the right-to-left order in which C++ evaluates the casts of one call, and the CUDA
-branch of the softmax/log_softmax composites (fp16 input with dtype=fp32 runs `_softmax(x, dim,
-half_to_float=True)`: no fp32 copy of the input). torch.autocast(..., enabled=False) inside user code
-turns CPU autocast off and is respected; so is torch.utils.checkpoint's recomputation, which re-enters
-CPU autocast with the state it saved (the kernels stay registered until the emulator is closed or
-garbage-collected, and the cast cache is dropped whenever torch.clear_autocast_cache() is called).
+mechanism and swaps only the lists: while an emulator lives, Python kernels registered at AutocastCPU
+(`torch.library`) for every op of every list apply the policies of the effective lists, or fall through
+to the next key when those lists do not name the op; an emulated region turns CPU autocast on and
+makes its lists the effective ones. The details that change memory are reproduced from
+aten/src/ATen/autocast_mode.{h,cpp}: the cast cache (a fp32 leaf that requires grad is cast to the low
+precision once per region, and the copy stays alive until the outermost region exits), eligibility
+(floating, not fp64), promote's widest type, fp32_set_opt_dtype (a missing dtype becomes fp32 rather
+than the input being cast), fp32_append_dtype (norm), banned ops, the right-to-left order in which C++
+evaluates the casts of one call, and the CUDA branch of the softmax/log_softmax composites (fp16 input
+with dtype=fp32 runs `_softmax(x, dim, half_to_float=True)`: no fp32 copy of the input).
+torch.autocast(..., enabled=False) inside user code turns CPU autocast off and is respected; so is
+torch.utils.checkpoint's recomputation, which re-enters CPU autocast in backward with the state it saved
+(during a backward pass the last emulated lists stay effective, and the cast cache is dropped whenever
+torch.clear_autocast_cache() is, which the emulator wraps while it lives).
 
-Caveats: while an emulator is alive, *every* CPU autocast region in the process (all threads) uses its
-lists; an emulator works on CPU tensors only (device_type "cpu").
+Outside emulated regions and backward passes the kernels follow the CPU's own lists, which the tests
+check against torch.autocast("cpu"): a plain CPU autocast elsewhere in the process is unchanged even
+while an emulator lives. `close()` (or garbage collection) unregisters everything. Emulators work on CPU
+tensors (device_type "cpu"), fake or real; on real CPU tensors the half_to_float softmax branch is not
+taken (the CPU kernel refuses it).
 """
 
 from __future__ import annotations

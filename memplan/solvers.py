@@ -32,6 +32,7 @@ with the kept activations written as the total minus what the chosen candidates 
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from bisect import bisect_left, bisect_right
@@ -189,21 +190,23 @@ def solve_chain_dp(problem: ChainProblem, objective: str = "flops") -> Solution:
     A forward DP over block boundaries. A partial selection up to boundary k is summarised by
     (cost, mem, x): its cost, its kept + boundary bytes, and its largest segment so far. Its final peak is
     mem + rest + max(x, largest later segment), so one partial selection makes another redundant when it is
-    no costlier and has no more mem and no more mem + x; only the non-redundant ones (a 3-D Pareto set)
-    are extended. Partial selections that cannot fit whatever follows are dropped, using exact per-threshold
-    lower bounds on the rest (`_reach`).
+    no costlier and has no more mem and no more mem + x; only the non-redundant ones (a 3-D Pareto set) are
+    extended. Two exact bounds drop the rest early: a memory bound (what the rest must add at least) and a
+    Lagrangian cost bound (what the rest must cost at least to fit) against the cheapest fitting selection
+    the Lagrangian search met. Both are vectorised DPs over every threshold for the largest segment.
     """
     started = time.perf_counter()
     costs = _costs(problem.blocks, objective)
     if not problem.blocks:
         return _chain_solution(problem, "optimal-dp", (), started, optimality_gap=0.0)
-    segments, thresholds = _segments_from(problem, costs)
-    reach = _reach(problem, segments, thresholds)
-    headroom = problem.budget_bytes - problem.fixed_bytes
+    chain = _Chain(problem, costs)
+    reach_rest, reach = _bound_table(chain, cost_weight=0.0, mem_weight=1.0)
     # reach[0][0] is the smallest modelled activation peak of any selection: when even that exceeds the
-    # headroom, take it as the limit and return the cheapest selection reaching it (feasible=False)
-    limit = max(headroom, int(reach[0][0]))
-    spans = _cheapest_within(problem, segments, thresholds, reach, limit)
+    # headroom, it becomes the limit, and the answer is the cheapest selection reaching it (feasible=False)
+    lowest = _selection(chain, reach_rest, reach, cost_weight=0.0, mem_weight=1.0)
+    limit = max(problem.budget_bytes - problem.fixed_bytes, chain.activations(lowest))
+    price, upper = _lagrange(chain, limit, lowest)
+    spans = _cheapest_within(chain, reach, limit, price, _bound_table(chain, 1.0, price)[1], upper)
     return _chain_solution(problem, "optimal-dp", spans, started, optimality_gap=0.0)
 
 
@@ -212,72 +215,143 @@ class _Span:
     last: int
     saved: int  # Σ saved_bytes inside: what recomputing it rematerialises
     cost: float
-    saved_index: int = 0  # position of `saved` among the distinct thresholds, filled in by _segments_from
+    saved_index: int  # position of `saved` among the chain's thresholds
 
 
-def _segments_from(problem: ChainProblem, costs: list[float]) -> tuple[list[list[_Span]], list[int]]:
-    """For each block, every segment that may start there; and the thresholds: the distinct segment sums
-    and 0 (no segment), sorted, which `saved_index` points into."""
-    blocks = problem.blocks
-    ends = _run_ends(blocks)
-    raw: list[list[tuple[int, int, float]]] = []
-    for first in range(len(blocks)):
-        saved, cost, spans = 0, 0.0, []
-        for last in range(first, ends[first] + 1):
-            saved += blocks[last].saved_bytes
-            cost += costs[last]
-            spans.append((last, saved, cost))
-        raw.append(spans)
-    values = sorted({0} | {saved for spans in raw for _, saved, _ in spans})
-    index = {value: i for i, value in enumerate(values)}
-    segments = [[_Span(last, saved, cost, index[saved]) for last, saved, cost in spans] for spans in raw]
-    return segments, values
+class _Chain:
+    """The chain as the DP sees it: per-block numbers, and every segment each block may start."""
+
+    def __init__(self, problem: ChainProblem, costs: list[float]) -> None:
+        self.saved = [b.saved_bytes for b in problem.blocks]
+        self.boundary = [b.input_bytes for b in problem.blocks]
+        self.costs = costs
+        ends = _run_ends(problem.blocks)
+        sums = [list(itertools.accumulate(self.saved[first : ends[first] + 1])) for first in range(len(costs))]
+        # thresholds: 0 (no segment) and every distinct segment sum, sorted; a _Span's saved_index points here
+        self.thresholds = sorted({0, *itertools.chain.from_iterable(sums)})
+        index = {value: i for i, value in enumerate(self.thresholds)}
+        self.segments = [
+            [
+                _Span(first + length, saved, cost, index[saved])
+                for length, (saved, cost) in enumerate(zip(sums[first], itertools.accumulate(costs[first:])))
+            ]
+            for first in range(len(costs))
+        ]
+
+    def activations(self, spans: Sequence[tuple[int, int]]) -> int:
+        inside = [sum(self.saved[first : last + 1]) for first, last in spans]
+        return sum(self.saved) - sum(inside) + sum(self.boundary[first] for first, _ in spans) + max(inside, default=0)
+
+    def cost(self, spans: Sequence[tuple[int, int]]) -> float:
+        return sum(sum(self.costs[first : last + 1]) for first, last in spans)
 
 
-def _reach(problem: ChainProblem, segments: list[list[_Span]], thresholds: list[int]) -> np.ndarray:
-    """reach[k][t]: the least (rest + largest segment) that blocks k.. can add, given a segment so far whose
-    saved bytes are threshold t, i.e. min over thresholds T >= threshold t of T + (least kept + boundary bytes
-    of blocks k.. using only segments of at most T). A vectorised DP over all thresholds at once."""
-    blocks = problem.blocks
-    n = len(blocks)
-    rest = np.zeros((n + 1, len(thresholds)), dtype=np.int64)
+def _bound_table(chain: _Chain, cost_weight: float, mem_weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """Two tables over (boundary k, threshold t), by a DP vectorised over all thresholds at once:
+
+    rest[k][t]: the least cost_weight * cost + mem_weight * (kept + boundary bytes) of blocks k.. when every
+    segment saves at most thresholds[t];
+    bound[k][t]: the least of mem_weight * T + rest[k][T] over thresholds T >= thresholds[t] — with a segment of
+    thresholds[t] already chosen, the largest segment ends at some such T, so this bounds what blocks k.. add.
+    """
+    n = len(chain.saved)
+    rest = np.zeros((n + 1, len(chain.thresholds)))
     for k in reversed(range(n)):
-        best = blocks[k].saved_bytes + rest[k + 1]
-        for span in segments[k]:
-            # the segment is allowed from its own saved bytes upwards: a suffix of the sorted thresholds
+        best = mem_weight * chain.saved[k] + rest[k + 1]
+        for span in chain.segments[k]:
+            # the segment is allowed from its own sum upwards: a suffix of the sorted thresholds
             allowed = slice(span.saved_index, None)
-            np.minimum(best[allowed], blocks[k].input_bytes + rest[span.last + 1][allowed], out=best[allowed])
+            starting = cost_weight * span.cost + mem_weight * chain.boundary[k]
+            np.minimum(best[allowed], starting + rest[span.last + 1][allowed], out=best[allowed])
         rest[k] = best
-    peaks = np.array(thresholds, dtype=np.int64) + rest
-    return np.minimum.accumulate(peaks[:, ::-1], axis=1)[:, ::-1]
+    total = mem_weight * np.array(chain.thresholds, dtype=float) + rest
+    return rest, np.minimum.accumulate(total[:, ::-1], axis=1)[:, ::-1]
 
 
-# a partial selection: (cost, mem, index of its largest segment's saved bytes, trail of chosen spans)
+def _selection(
+    chain: _Chain, rest: np.ndarray, bound: np.ndarray, cost_weight: float, mem_weight: float
+) -> list[tuple[int, int]]:
+    """The spans of a selection attaining bound[0][0], followed back through `rest`."""
+    t = int(np.argmin(mem_weight * np.array(chain.thresholds, dtype=float) + rest[0]))
+    spans, k = [], 0
+    while k < len(chain.saved):
+        options = [(mem_weight * chain.saved[k] + rest[k + 1][t], None)]
+        options += [
+            (cost_weight * s.cost + mem_weight * chain.boundary[k] + rest[s.last + 1][t], s.last)
+            for s in chain.segments[k]
+            if s.saved_index <= t
+        ]
+        _, last = min(options, key=lambda option: option[0])
+        if last is None:
+            k += 1
+        else:
+            spans.append((k, last))
+            k = last + 1
+    return spans
+
+
+def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tuple[float, float]:
+    """A price per byte for the Lagrangian cost bound, and the cheapest fitting selection's cost met.
+
+    Minimising cost + price * peak over all selections is the DP of _bound_table; raising the price trades
+    cost for memory. The best price lies where the minimisers cross the limit; it is found by intersecting
+    the lines cost + price * (peak - limit) of a selection over the limit and one within it (`fitting`, to
+    start: the lowest-peak selection), as for any one-constraint Lagrangian dual."""
+    over = []  # at price 0 nothing is checkpointed
+    if chain.activations(over) <= limit:
+        return 0.0, 0.0
+    upper = chain.cost(fitting)
+    price = 0.0
+    for _ in range(_LAGRANGE_STEPS):
+        over_cost, over_peak = chain.cost(over), chain.activations(over)
+        fit_cost, fit_peak = chain.cost(fitting), chain.activations(fitting)
+        price = (fit_cost - over_cost) / (over_peak - fit_peak)
+        rest, bound = _bound_table(chain, 1.0, price)
+        found = _selection(chain, rest, bound, 1.0, price)
+        line = over_cost + price * (over_peak - limit)
+        if bound[0][0] - price * limit >= line - 1e-12 * (abs(line) + price * limit):
+            break  # no selection lies below both lines: the price is the dual optimum
+        if chain.activations(found) <= limit:
+            fitting, upper = found, min(upper, chain.cost(found))
+        else:
+            over = found
+    return price, upper
+
+
+_LAGRANGE_STEPS = 50  # the line intersection converges in far fewer steps; this only guards against float ties
+
+# a partial selection: (cost, mem, index of its largest segment's sum, trail of chosen spans)
 _State = tuple[float, int, int, tuple | None]
 
 
 def _cheapest_within(
-    problem: ChainProblem, segments: list[list[_Span]], thresholds: list[int], reach: np.ndarray, limit: int
+    chain: _Chain, reach: np.ndarray, limit: int, price: float, togo: np.ndarray, upper: float
 ) -> list[tuple[int, int]]:
-    blocks = problem.blocks
-    n = len(blocks)
+    n = len(chain.saved)
     reach_rows = [row.tolist() for row in reach]
+    # a partial selection of cost c and memory m cannot fit for less than c + price * (m - limit) + togo[k][x];
+    # the slack absorbs float rounding in that bound, so the optimum is never dropped
+    togo_rows = [(row - price * limit).tolist() for row in togo]
+    ceiling = upper + 1e-9 * (abs(upper) + price * limit)
     pending: list[list[_State]] = [[] for _ in range(n + 1)]
     pending[0].append((0.0, 0, 0, None))
     for k in range(n):
-        saved, boundary = blocks[k].saved_bytes, blocks[k].input_bytes
-        keep_reach = reach_rows[k + 1]
-        for cost, mem, x, trail in _pareto(pending[k], thresholds):
-            if mem + saved + keep_reach[x] <= limit:
-                pending[k + 1].append((cost, mem + saved, x, trail))
-            for span in segments[k]:
+        saved, boundary = chain.saved[k], chain.boundary[k]
+        for cost, mem, x, trail in _pareto(pending[k], chain.thresholds):
+            mem_kept = mem + saved
+            if mem_kept + reach_rows[k + 1][x] <= limit and cost + price * mem_kept + togo_rows[k + 1][x] <= ceiling:
+                pending[k + 1].append((cost, mem_kept, x, trail))
+            mem_cut = mem + boundary
+            for span in chain.segments[k]:
                 top = max(x, span.saved_index)
-                if mem + boundary + reach_rows[span.last + 1][top] <= limit:
-                    pending[span.last + 1].append((cost + span.cost, mem + boundary, top, ((k, span.last), trail)))
+                after = span.last + 1
+                cost_cut = cost + span.cost
+                if mem_cut + reach_rows[after][top] <= limit and cost_cut + price * mem_cut + togo_rows[after][top] <= ceiling:
+                    pending[after].append((cost_cut, mem_cut, top, ((k, span.last), trail)))
         pending[k] = []  # free what is no longer needed
-    # every surviving state fits (reach at the end is the largest segment itself): take the cheapest,
-    # then the lowest peak
-    cost, mem, x, trail = min(pending[n], key=lambda s: (s[0], s[1] + thresholds[s[2]]))
+    # every surviving state fits (at the end, reach is the largest segment itself): the cheapest, then the
+    # lowest peak
+    cost, mem, x, trail = min(pending[n], key=lambda s: (s[0], s[1] + chain.thresholds[s[2]]))
     spans = []
     while trail is not None:
         span, trail = trail
@@ -396,9 +470,8 @@ def solve_milp(
 
 
 def _chain_items(problem: ChainProblem, costs: list[float]) -> tuple[list[tuple[int, int]], list[_Item], int]:
-    segments, _ = _segments_from(problem, costs)
     spans, items = [], []
-    for first, starts in enumerate(segments):
+    for first, starts in enumerate(_Chain(problem, costs).segments):
         for span in starts:
             spans.append((first, span.last))
             items.append(

@@ -150,7 +150,9 @@ def resolve_device(device: str | None) -> str:
         raise BadInput(f"unsupported device {device!r}; expected cuda, cuda:N or cpu")
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise BadInput(f"--device {device} needs a CUDA GPU, but none is available (torch {torch.__version__}, {build})")
+        raise BadInput(
+            f"--device {device} needs a CUDA GPU, but none is available (torch {torch.__version__}, {build})"
+        )
     if parsed.index is not None and parsed.index >= torch.cuda.device_count():
         raise BadInput(f"--device {device}: there are only {torch.cuda.device_count()} CUDA device(s)")
     return str(parsed)

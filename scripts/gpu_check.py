@@ -27,15 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
+import torch
+from tabulate import tabulate
 
-from memplan.errors import MemplanError  # noqa: E402
-from memplan.plan import Plan, Segment  # noqa: E402
-from memplan.step import StepConfig  # noqa: E402
-from memplan.units import format_bytes  # noqa: E402
-from memplan.verify import Prediction, PredictionUnavailable, error_pct, measure, predict, resolve_device  # noqa: E402
-from memplan.workload import Workload, resolve_workload  # noqa: E402
+from memplan.errors import MemplanError
+from memplan.plan import Plan, Segment
+from memplan.step import StepConfig
+from memplan.units import format_bytes
+from memplan.verify import Prediction, PredictionUnavailable, error_pct, measure, predict, resolve_device
+from memplan.workload import Workload, resolve_workload
 
 PRECISIONS = ("fp32", "amp-fp16", "amp-bf16", "bf16", "fp16-master")
 OPTIMIZERS = ("sgd-momentum", "adamw", "adafactor", "adamw-8bit")
@@ -65,19 +65,24 @@ def gpu_cases(small_gpu: bool) -> list[Case]:
     """Realistic sizes, in priority order: the full precision x optimizer cross product on GPT-2, then
     each family's main settings, then plans, then the rest (what the time budget leaves)."""
     half = 2 if small_gpu else 1
-    gpt2 = dict(model="gpt2", batch_size=8 // half)
+    gpt2 = {"model": "gpt2", "batch_size": 8 // half}
     # a Llama-2-7B-wide model cut to 4 layers: real block sizes, fits with fp32 AdamW state
-    llama = dict(model="llama2-7b", batch_size=1, options={"n_layer": 4, "seq_len": 2048 // half})
+    llama = {"model": "llama2-7b", "batch_size": 1, "options": {"n_layer": 4, "seq_len": 2048 // half}}
     others = [
         llama,
-        dict(model="bert-base", batch_size=16 // half),
-        dict(model="resnet50", batch_size=64 // half),
-        dict(model="vit-b16", batch_size=32 // half),
-        dict(model="gpt2-medium", batch_size=4 // half),
-        dict(model="unet", batch_size=8 // half),
-        dict(model="lstm", batch_size=32 // half),
+        {"model": "bert-base", "batch_size": 16 // half},
+        {"model": "resnet50", "batch_size": 64 // half},
+        {"model": "vit-b16", "batch_size": 32 // half},
+        {"model": "gpt2-medium", "batch_size": 4 // half},
+        {"model": "unet", "batch_size": 8 // half},
+        {"model": "lstm", "batch_size": 32 // half},
     ]
-    planned = [gpt2, llama, dict(model="bert-base", batch_size=16 // half), dict(model="vit-b16", batch_size=32 // half)]
+    planned = [
+        gpt2,
+        llama,
+        {"model": "bert-base", "batch_size": 16 // half},
+        {"model": "vit-b16", "batch_size": 32 // half},
+    ]
     cases = [Case(**gpt2, precision=p, optimizer=o) for p in PRECISIONS for o in OPTIMIZERS]
     cases += [Case(**gpt2, precision=p, optimizer="adamw", plan=True) for p in ("fp32", "amp-bf16")]
     cases += [Case(**m, precision=p, optimizer="adamw") for m in others for p in ("fp32", "amp-bf16")]
@@ -89,9 +94,7 @@ def gpu_cases(small_gpu: bool) -> list[Case]:
     ]
     cases += [Case(**gpt2, precision=p, optimizer="adamw", plan=True) for p in ("amp-fp16", "bf16", "fp16-master")]
     cases += [Case(**m, precision="amp-bf16", optimizer="adamw", plan=True) for m in planned[1:]]
-    cases += [
-        Case(**gpt2, precision=p, optimizer=o, plan=True) for p in PRECISIONS for o in OPTIMIZERS if o != "adamw"
-    ]
+    cases += [Case(**gpt2, precision=p, optimizer=o, plan=True) for p in PRECISIONS for o in OPTIMIZERS if o != "adamw"]
     return cases
 
 
@@ -100,7 +103,7 @@ def quick_cases() -> list[Case]:
     from models import TINY_OVERRIDES
 
     def tiny(model: str, batch_size: int = 2) -> dict[str, Any]:
-        return dict(model=model, batch_size=batch_size, options=dict(TINY_OVERRIDES[model]), tag="tiny")
+        return {"model": model, "batch_size": batch_size, "options": dict(TINY_OVERRIDES[model]), "tag": "tiny"}
 
     return [
         Case(**tiny("gpt2"), precision="fp32", optimizer="adamw"),
@@ -222,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="cuda (default when available), cuda:N or cpu")
     parser.add_argument("--quick", action="store_true", help="tiny models only (a smoke test)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="start no row that may end after this many seconds")
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="start no row that may end after this many seconds"
+    )
     parser.add_argument("--out", type=Path, default=None, help="markdown file (default benchmarks/results/...)")
     parser.add_argument("--verbose", action="store_true", help="print each row's traceback on failure")
     args = parser.parse_args(argv)
@@ -245,22 +250,44 @@ def main(argv: list[str] | None = None) -> int:
         # when it can finish within the budget
         reserve = PLAN_ROW_SECONDS if case.plan else ROW_SECONDS
         if time.monotonic() - start + reserve > args.budget_s:
-            rows.append([case.label, case.precision, case.optimizer, "plan" if case.plan else "-", "-", "skipped (time budget)", "-", "-"])
+            rows.append(
+                [
+                    case.label,
+                    case.precision,
+                    case.optimizer,
+                    "plan" if case.plan else "-",
+                    "-",
+                    "skipped (time budget)",
+                    "-",
+                    "-",
+                ]
+            )
             continue
         began = time.monotonic()
         try:
             row = run_case(case, device)
-        except Exception as error:  # one failure is one row
+        except Exception as error:  # noqa: BLE001 - one failure is one row
             if args.verbose:
                 traceback.print_exc()
             message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            row = [case.label, case.precision, case.optimizer, "plan" if case.plan else "-", "-",
-                   f"error: {message[:90]}", "-", "-"]
+            row = [
+                case.label,
+                case.precision,
+                case.optimizer,
+                "plan" if case.plan else "-",
+                "-",
+                f"error: {message[:90]}",
+                "-",
+                "-",
+            ]
         finally:
             _cleanup()
         rows.append(row)
-        print(f"[{time.monotonic() - start:6.1f}s] {' | '.join(row)}  ({time.monotonic() - began:.1f}s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{time.monotonic() - start:6.1f}s] {' | '.join(row)}  ({time.monotonic() - began:.1f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     table = tabulate(rows, headers=HEADERS, tablefmt="github")
     header = (

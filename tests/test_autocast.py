@@ -168,6 +168,20 @@ def test_cpu_lists_reproduce_real_cpu_autocast(case):
         assert torch.equal(grads[name], real_grads[name]), name
 
 
+def test_plain_cpu_autocast_is_native_while_an_emulator_lives():
+    build, make_x, make_target = CASES["transformer"]
+    torch.manual_seed(0)
+    model, x, target = build(), make_x(), make_target()
+    twin = copy.deepcopy(model)
+    native = _step(model, x, target, torch.autocast("cpu", dtype=BF16))
+    with emulated_autocast("cuda") as emulator:
+        with emulator("cpu", BF16):
+            pass  # registered, and the last lists this thread used were CUDA's
+        assert ac._REGISTRY.registered
+        alive = _step(twin, x, target, torch.autocast("cpu", dtype=BF16))
+    assert alive[0] == native[0] and torch.equal(alive[1], native[1])
+
+
 def test_cpu_lists_cache_a_weight_used_twice_like_real_autocast():
     w = nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8)
@@ -260,6 +274,18 @@ def test_cuda_lists_promote_banned_and_append_dtype():
     with emulated_autocast("cpu") as emulator, emulator("cpu", BF16):
         with pytest.raises(RuntimeError):
             torch.dot(a, b)  # not listed on the CPU: mismatched dtypes
+
+
+def test_cpu_only_policies_are_off_under_cuda_lists():
+    x = torch.randn(1, 2, 4, 4, 4).to(BF16)
+    a, b = torch.randn(3), torch.randn(3).to(BF16)
+    with torch.autocast("cpu", dtype=BF16):
+        assert F.avg_pool3d(x, 2).dtype == FP32  # fp32 on the CPU's list
+    with emulated_autocast("cuda") as emulator, emulator("cpu", BF16):
+        assert F.avg_pool3d(x, 2).dtype == BF16  # not on CUDA's
+        with Recorder() as rec:
+            assert torch.stack([a, b]).dtype == FP32  # plain type promotion, not the CPU's promote cast
+        assert "aten._to_copy.default" not in [op for op, _, _ in rec.ops]
 
 
 def test_disabling_inside_a_region_is_respected():

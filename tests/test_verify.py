@@ -27,7 +27,6 @@ from memplan.verify import (
     check_supported,
     compare,
     error_pct,
-    live_state_bytes,
     measure,
     resolve_device,
 )
@@ -280,11 +279,11 @@ class _HungryOnCall(nn.Module):
 
 class _HugeGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
+    def forward(ctx, x):
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         torch.empty(1 << 50, dtype=torch.uint8)
         return grad
 
@@ -333,9 +332,17 @@ def test_compare_and_error_pct() -> None:
     assert error_pct(90, 100) == pytest.approx(-10.0)
     assert error_pct(None, 100) is None and error_pct(5, 0) is None
     m = Measurement(
-        device="cpu", device_name="cpu", steps=1, measured_peak_bytes=200, measured_reserved_bytes=None,
-        phase_peaks={"forward": 100, "backward": 200, "optimizer": 150}, step_peaks=(200,),
-        first_step_peak_bytes=200, later_steps_peak_bytes=None, baseline_bytes=50, cuda_context_bytes=None,
+        device="cpu",
+        device_name="cpu",
+        steps=1,
+        measured_peak_bytes=200,
+        measured_reserved_bytes=None,
+        phase_peaks={"forward": 100, "backward": 200, "optimizer": 150},
+        step_peaks=(200,),
+        first_step_peak_bytes=200,
+        later_steps_peak_bytes=None,
+        baseline_bytes=50,
+        cuda_context_bytes=None,
         total_memory_bytes=None,
     )
     c = compare(m, Prediction(210, {"forward": 100, "backward": 210}))
@@ -350,15 +357,40 @@ def test_compare_and_error_pct() -> None:
 
 
 JSON_KEYS = {
-    "device", "steps", "measured_peak_bytes", "measured_reserved_bytes", "phase_peaks",
-    "first_step_peak_bytes", "later_steps_peak_bytes", "baseline_bytes", "cuda_context_bytes",
-    "fits", "oom", "predicted_peak_bytes", "error_pct",
+    "device",
+    "steps",
+    "measured_peak_bytes",
+    "measured_reserved_bytes",
+    "phase_peaks",
+    "first_step_peak_bytes",
+    "later_steps_peak_bytes",
+    "baseline_bytes",
+    "cuda_context_bytes",
+    "fits",
+    "oom",
+    "predicted_peak_bytes",
+    "error_pct",
 }
 
 
 def test_cli_json(toy: Path) -> None:
-    result = runner.invoke(app, ["verify", f"{toy}:build", "-b", "4", "--device", "cpu", "-o", "sgd-momentum",
-                                 "--steps", "2", "--no-predict", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "verify",
+            f"{toy}:build",
+            "-b",
+            "4",
+            "--device",
+            "cpu",
+            "-o",
+            "sgd-momentum",
+            "--steps",
+            "2",
+            "--no-predict",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert JSON_KEYS <= data.keys()
