@@ -186,7 +186,7 @@ def report(calls: list[OpCall], outside: list[tuple[int, int]], show_all: bool, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models")
+    parser.add_argument("models", help="zoo names, comma-separated; or 'sweep:pointwise' to sweep single ops")
     parser.add_argument("precisions", nargs="?", default="fp32")
     parser.add_argument("optimizers", nargs="?", default="sgd")
     parser.add_argument("--threads", type=int, default=None)
@@ -197,12 +197,112 @@ def main() -> None:
     options = parser.parse_args()
     if options.threads:
         torch.set_num_threads(options.threads)
+    if options.models == "sweep:pointwise":
+        print(f"{sweep(_pointwise_ops())} mismatches")
+        return
     for name in options.models.split(","):
         for precision in options.precisions.split(","):
             for optimizer in options.optimizers.split(","):
                 print(f"== {name} {precision} {optimizer} threads={torch.get_num_threads()}")
                 calls, outside = calibrate(name, precision, optimizer, options.steps)
                 report(calls, outside, options.all, options.each, options.events)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sweeping single ops: the rules against the allocator, dtype combination by combination
+
+
+def _decomposes(op: Any) -> bool:
+    """CompositeImplicitAutograd ops decompose before a dispatch mode (the tracer) sees them."""
+    try:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        return not has(op.name(), "CPU") and has(op.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # not a registered aten operator (Python-only overloads)
+        return True
+
+
+def _pointwise_ops() -> list[Any]:
+    ops = []
+    for name in dir(torch.ops.aten):
+        try:
+            packet = getattr(torch.ops.aten, name)
+            overloads = packet.overloads()
+        except (AttributeError, RuntimeError):
+            continue
+        for overload in overloads:
+            op = getattr(packet, overload)
+            # CompositeImplicitAutograd ops decompose before a dispatch mode (the tracer) sees them
+            if torch.Tag.pointwise in op.tags and not _decomposes(op) and not any(
+                    a.name == "out" for a in op._schema.arguments):
+                ops.append(op)
+    return ops
+
+
+_OPERAND_PATTERNS = [
+    # one entry per Tensor/Scalar argument, cycled: dtype (a tensor of shape (4, 8)), "0d:<dtype>", or a number
+    ("float32", "float32", "float32"),
+    ("bfloat16", "float32", "float32"),
+    ("float32", "bfloat16", "bfloat16"),
+    ("float32", 2.5, 2.5),
+    ("bfloat16", 2, 2),
+    ("int64", 2.5, 2.5),
+    ("int64", 3, 3),
+    ("float32", "0d:float32", "0d:float32"),
+    ("bfloat16", "0d:float32", "0d:float32"),
+    ("float64", "float32", "float32"),
+]
+
+
+def _operand(spec: Any) -> Any:
+    if not isinstance(spec, str):
+        return spec
+    if spec.startswith("0d:"):
+        return torch.ones((), dtype=getattr(torch, spec[3:])) * 2
+    dtype = getattr(torch, spec)
+    if dtype == torch.bool:
+        return torch.rand(4, 8) > 0.5
+    return (torch.rand(4, 8) + 1).to(dtype)
+
+
+def sweep(ops: list[Any]) -> int:
+    """Run each op over `_OPERAND_PATTERNS`; print where the rule and the allocator disagree."""
+    from memplan.scratch import allocator_events, extra_bytes, new_storage_bytes
+
+    rule = scratch_of("cpu")
+    mismatches = 0
+    for op in ops:
+        arguments = op._schema.arguments
+        for pattern in _OPERAND_PATTERNS:
+            args, position, ok = [], 0, True
+            for argument in arguments:
+                kind = str(argument.type)
+                if kind in ("Tensor", "number"):
+                    spec = pattern[min(position, len(pattern) - 1)]
+                    if kind == "number" and isinstance(spec, str):
+                        spec = 2.5 if "float" in spec else 2
+                    if kind == "Tensor" and argument.name in ("mask", "condition"):
+                        spec = "bool"
+                    args.append(_operand(spec))
+                    position += 1
+                elif argument.has_default_value() or argument.kwarg_only:
+                    break
+                else:
+                    ok = False
+                    break
+            if not ok or not args:
+                break
+            try:
+                events, out = allocator_events(lambda: op(*args))
+            except Exception:
+                continue
+            measured = extra_bytes(events, new_storage_bytes(out, args))
+            predicted = rule(op, tuple(args), {}, out)
+            if measured != predicted:
+                mismatches += 1
+                described = [f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else repr(a) for a in args]
+                print(f"{str(op):40s} {' '.join(described):60s} measured {measured:6d} rule {predicted:6d}  "
+                      f"events {' '.join(f'{n:+d}' for n in events)}")
+    return mismatches
 
 
 if __name__ == "__main__":

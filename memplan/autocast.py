@@ -39,13 +39,17 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import Library
 
-__all__ = ["OpLists", "AUTOCAST_LISTS", "EmulatedAutocast", "emulated_autocast"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["AUTOCAST_LISTS", "EmulatedAutocast", "OpLists", "emulated_autocast"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,12 @@ class OpLists:
 # tests/test_autocast.py checks these names against the installed build's AutocastCUDA registrations
 # and, when the header is there, against its macros.
 
-_CUDA_LOWER_PRECISION = frozenset(
+
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+_CUDA_LOWER_PRECISION = _names(
     """
     _convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
     conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul einsum mm mv
@@ -102,10 +111,10 @@ _CUDA_LOWER_PRECISION = frozenset(
     _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell _scaled_dot_product_flash_attention
     scaled_dot_product_attention
     cudnn_convolution cudnn_convolution_transpose
-    """.split()
+    """
 )
 
-_CUDA_FP32 = frozenset(
+_CUDA_FP32 = _names(
     """
     acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow.Tensor_Scalar
     pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm rms_norm group_norm
@@ -116,14 +125,14 @@ _CUDA_FP32 = frozenset(
     upsample_nearest1d _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d
     upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d
     _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
-    """.split()
+    """
 )
 
-_CUDA_FP32_SET_OPT_DTYPE = frozenset(
+_CUDA_FP32_SET_OPT_DTYPE = _names(
     """
     prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm linalg_matrix_norm
     linalg_matrix_norm.str_ord sum sum.dim_IntList
-    """.split()
+    """
 )
 
 _CUDA_FP32_APPEND_DTYPE = (
@@ -131,24 +140,22 @@ _CUDA_FP32_APPEND_DTYPE = (
     ("norm.ScalarOpt_dim", "norm.ScalarOpt_dim_dtype"),
 )
 
-_CUDA_PROMOTE = frozenset(
-    "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split()
-)
+_CUDA_PROMOTE = _names("addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add")
 
 # CPU: TORCH_LIBRARY_IMPL(aten, AutocastCPU, m) in aten/src/ATen/autocast_mode.cpp (pytorch/pytorch
 # @ 008ec6b1840c94ff6d0f685bc10fbf585167c673), less prod.dim_Dimname and index_copy.dimname, which
 # torch 2.13 no longer has (the test checks the names against the installed AutocastCPU registrations).
 
-_CPU_LOWER_PRECISION = frozenset(
+_CPU_LOWER_PRECISION = _names(
     """
     conv1d conv1d.padding conv2d conv2d.padding conv3d conv3d.padding bmm mm linalg_vecdot baddbmm addmm
     _addmm_activation addbmm linear _convolution.deprecated matmul conv_tbc mkldnn_rnn_layer
     conv_transpose1d conv_transpose2d.input conv_transpose3d.input prelu scaled_dot_product_attention
     _native_multi_head_attention
-    """.split()
+    """
 )
 
-_CPU_FP32 = frozenset(
+_CPU_FP32 = _names(
     """
     avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int quantile quantile.scalar
     nanquantile nanquantile.scalar stft stft.center cdist grid_sampler_2d _grid_sampler_2d_cpu_fallback
@@ -165,10 +172,10 @@ _CPU_FP32 = frozenset(
     linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd triangular_solve
     fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d multilabel_margin_loss_forward
     linalg_qr linalg_cholesky_ex linalg_svd linalg_eig linalg_eigh linalg_lstsq linalg_inv_ex
-    """.split()
+    """
 )
 
-_CPU_PROMOTE = frozenset("stack cat index_copy".split())
+_CPU_PROMOTE = _names("stack cat index_copy")
 
 AUTOCAST_LISTS: dict[str, OpLists] = {
     "cuda": OpLists(
@@ -373,7 +380,7 @@ _AFTER_AUTOCAST_CPU = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.regions: list[str] = []  # lists of the emulated regions open on this thread
-        self.last: str | None = None  # lists of the last emulated region this thread entered
+        self.last: tuple[int, str] | None = None  # (registration, lists) of its last emulated region
 
 
 _thread = _ThreadState()
@@ -382,16 +389,23 @@ _thread = _ThreadState()
 def _effective_lists() -> str:
     if _thread.regions:
         return _thread.regions[-1]
-    if _thread.last is not None and torch._C._current_graph_task_id() != -1:
-        return _thread.last
+    last = _thread.last
+    if last is not None and last[0] == _REGISTRY.generation and torch._C._current_graph_task_id() != -1:
+        return last[1]
     return "cpu"
 
 
 class _Registry:
+    """The kernels are registered while any emulator holds them. They are never unregistered while one
+    of them runs (an emulator may be garbage-collected inside one): a release then waits for the next
+    region boundary or `close()` (meanwhile, outside emulated regions, the kernels act natively)."""
+
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.holders: set[int] = set()
         self.library: Library | None = None
+        self.generation = 0
+        self.running = 0  # kernels executing now, all threads
         self.saved_clear_cache: Callable[[], None] | None = None
 
     @property
@@ -407,8 +421,21 @@ class _Registry:
     def release(self, holder: int) -> None:
         with self.lock:
             self.holders.discard(holder)
-            if not self.holders and self.library is not None:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Unregister if nothing holds the kernels and none is running."""
+        with self.lock:
+            if not self.holders and not self.running and self.library is not None:
                 self._unregister()
+
+    def kernel_started(self) -> None:
+        with self.lock:
+            self.running += 1
+
+    def kernel_finished(self) -> None:
+        with self.lock:
+            self.running -= 1
 
     def _register(self) -> None:
         kernels: dict[str, dict[str, Callable]] = {}  # op name -> lists name -> policy kernel
@@ -425,6 +452,7 @@ class _Registry:
             for name, by_lists in kernels.items():
                 library.impl(name, _dispatching_kernel(_overload(name), by_lists), "AutocastCPU", with_keyset=True)
         self.library = library
+        self.generation += 1
         # torch.autocast clears the autocast cache when the outermost region exits (and so does
         # checkpoint's recomputation): clear the emulator's cache with it.
         saved = self.saved_clear_cache = torch.clear_autocast_cache
@@ -441,15 +469,18 @@ class _Registry:
         torch.clear_autocast_cache = self.saved_clear_cache
         self.saved_clear_cache = None
         _cast_cache.clear()
-        _thread.last = None
 
 
 def _dispatching_kernel(op: torch._ops.OpOverload, by_lists: dict[str, Callable]) -> Callable:
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        policy = by_lists.get(_effective_lists())
-        if policy is None:  # not on the effective lists: fall through, autocast still on
-            return op.redispatch(keyset & _AFTER_AUTOCAST_CPU, *args, **kwargs)
-        return policy(*args, **kwargs)
+        _REGISTRY.kernel_started()
+        try:
+            policy = by_lists.get(_effective_lists())
+            if policy is None:  # not on the effective lists: fall through, autocast still on
+                return op.redispatch(keyset & _AFTER_AUTOCAST_CPU, *args, **kwargs)
+            return policy(*args, **kwargs)
+        finally:
+            _REGISTRY.kernel_finished()
 
     return kernel
 
@@ -467,18 +498,25 @@ class _Region:
     def __init__(self, emulator: EmulatedAutocast, dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> None:
         self.emulator, self.dtype, self.enabled, self.cache_enabled = emulator, dtype, enabled, cache_enabled
 
-    def __enter__(self) -> _Region:
+    def __enter__(self) -> Self:
         self.emulator._hold()
-        self.prev = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled())
+        self.prev = (
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled(),
+        )
         torch.set_autocast_enabled("cpu", self.enabled)
         torch.set_autocast_dtype("cpu", self.dtype)
         torch.autocast_increment_nesting()
         torch.set_autocast_cache_enabled(self.cache_enabled)
         _thread.regions.append(self.emulator.lists)
-        _thread.last = self.emulator.lists
+        _thread.last = (_REGISTRY.generation, self.emulator.lists)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _REGISTRY.sweep()
         _thread.regions.pop()
         if torch.autocast_decrement_nesting() == 0:
             torch.clear_autocast_cache()  # the emulator's cache too (see _Registry)
@@ -502,13 +540,18 @@ class EmulatedAutocast:
         self._finalizer: weakref.finalize | None = None
 
     def __call__(
-        self, device_type: str = "cpu", dtype: torch.dtype | None = None, enabled: bool = True, cache_enabled: bool = True
+        self,
+        device_type: str = "cpu",
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool = True,
     ) -> _Region:
         if device_type != "cpu":
             raise ValueError(f"emulated autocast runs on CPU tensors (device_type 'cpu'), got {device_type!r}")
         return _Region(self, dtype or AUTOCAST_LISTS[self.lists].default_dtype, enabled, cache_enabled)
 
     def _hold(self) -> None:
+        _REGISTRY.sweep()
         if self._finalizer is None or not self._finalizer.alive:
             self._finalizer = weakref.finalize(self, _REGISTRY.release, self._key)
         _REGISTRY.use(self._key)
@@ -517,11 +560,14 @@ class EmulatedAutocast:
         """Unregister the kernels (when no other emulator holds them): CPU autocast is all native again."""
         if self._finalizer is not None:
             self._finalizer()
+        _REGISTRY.sweep()
 
-    def __enter__(self) -> EmulatedAutocast:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 

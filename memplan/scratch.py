@@ -236,8 +236,182 @@ for _op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.
 
 
 # --------------------------------------------------------------------------------------------------
-# Generic CPU rules
+# Generic CPU rules: wrapped numbers and TensorIterator's dtype promotion
 
 
 def _generic_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return sum(int(rule(func, args, kwargs, out)) for rule in GENERIC_RULES.get("cpu", ()))
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
+    """(schema argument, value) for each argument given."""
+    bound = []
+    for i, argument in enumerate(func._schema.arguments):
+        if i < len(args) and not argument.kwarg_only:
+            bound.append((argument, args[i]))
+        elif argument.name in kwargs:
+            bound.append((argument, kwargs[argument.name]))
+    return bound
+
+
+def _is_tensor_type(argument: Any) -> bool:
+    kind = argument.type
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.TensorType)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, complex))
+
+
+def _wrapped_dtype(value: Any) -> torch.dtype:
+    """The dtype of the 0-dim tensor a Python number becomes (torch/csrc/utils/python_arg_parser.cpp
+    scalar_to_tensor -> c10::scalar_to_tensor: bool, int64, double or complex double)."""
+    if isinstance(value, bool):
+        return torch.bool
+    if isinstance(value, int):
+        return torch.int64
+    if isinstance(value, float):
+        return torch.float64
+    return torch.complex128
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _result_type(operands: list[tuple[torch.dtype, int, bool]]) -> torch.dtype | None:
+    """c10/core/ScalarType + ATen/native/TypeProperties.cpp result_type: operands (dtype, dim, wrapped);
+    dimensioned tensors outrank 0-dim tensors, which outrank wrapped numbers, unless the lower one is
+    of a higher category (bool < integral < floating < complex)."""
+    results: list[torch.dtype | None] = [None, None, None]  # dimensioned, zero-dim, wrapped
+    for dtype, dim, wrapped in operands:
+        if wrapped:
+            # a wrapped floating number counts as the default dtype (update_result_type_state)
+            if dtype.is_complex:
+                dtype = torch.complex64 if torch.get_default_dtype() == torch.float32 else torch.complex128
+            elif dtype.is_floating_point:
+                dtype = torch.get_default_dtype()
+            slot = 2
+        else:
+            slot = 1 if dim == 0 else 0
+        results[slot] = dtype if results[slot] is None else torch.promote_types(results[slot], dtype)
+
+    def combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
+        # TypeProperties.cpp combine_categories
+        if higher is None:
+            return lower
+        if lower is None or higher.is_complex:
+            return higher
+        if lower.is_complex:
+            return torch.promote_types(higher, torch.complex64) if higher.is_floating_point else lower
+        if higher.is_floating_point:
+            return higher
+        if higher == torch.bool or lower.is_floating_point:
+            return torch.promote_types(higher, lower)
+        return higher
+
+    return combine(results[0], combine(results[1], results[2]))
+
+
+def wrapped_numbers(func: Any, args: tuple, kwargs: dict) -> list[tuple[Any, torch.dtype]]:
+    """The Python numbers that reach `func` where its schema asks for a Tensor: the argument parser
+    (or the C++ caller, at::native::wrapped_scalar_tensor) made each a 0-dim CPU tensor that lives
+    for the call. Under a dispatch mode they arrive as plain numbers again."""
+    return [(value, _wrapped_dtype(value)) for argument, value in _bind(func, args, kwargs)
+            if _is_number(value) and (_is_tensor_type(argument) or _wraps_scalar(func, argument))]
+
+
+# Pointwise overloads taking an operand as a Scalar run the Tensor-Tensor kernel on a wrapped copy of
+# it (aten/src/ATen/native/BinaryOps.cpp, e.g. `add(self, wrapped_scalar_tensor(other), alpha)`,
+# TORCH_META_FUNC2(eq, Scalar) -> build_borrowing_comparison_op(..., wrapped_scalar_tensor(other)),
+# pow.Scalar, xlogy.Scalar_Self, the special polynomials' x_scalar/n_scalar overloads): the operand
+# arguments are named self/other/x/n; modifiers (alpha, value, min, max, exponent, weight, ...) stay
+# Scalars.
+_OPERAND_NAMES = frozenset({"self", "other", "x", "n"})
+
+
+def _wraps_scalar(func: Any, argument: Any) -> bool:
+    return (torch.Tag.pointwise in func.tags and str(argument.type) == "number"
+            and argument.name in _OPERAND_NAMES)
+
+
+# CompositeExplicitAutograd pointwise ops that multiply by a wrapped double inside
+# (aten/src/ATen/native/UnaryOps.cpp rad2deg_out/deg2rad_out: at::mul_out(result, self,
+# wrapped_scalar_tensor(Scalar(M_180_PI)))).
+_IMPLICIT_WRAPPED = {op: 1.0 for op in (aten.rad2deg.default, aten.rad2deg_.default, aten.deg2rad.default,
+                                         aten.deg2rad_.default)}
+# Operands TensorIterator does not promote: a where's condition (TensorCompare.cpp where_self_out
+# builds its iterator on `cond_bool` and the already converted self/other), a masked_fill's mask.
+_NOT_PROMOTED = frozenset({"condition", "mask"})
+
+
+@generic_rule("cpu")
+def _wrapped_numbers(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Each wrapped number is a 0-dim tensor of its own (8 bytes for int64/double)."""
+    if torch.Tag.pointwise in func.tags:
+        return 0  # counted with the operands' promotion in _tensor_iterator_promotion
+    return sum(_itemsize(dtype) for _, dtype in wrapped_numbers(func, args, kwargs))
+
+
+@generic_rule("cpu")
+def _tensor_iterator_promotion(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Pointwise ops run on TensorIterator, which on the CPU (aten/src/ATen/TensorIterator.cpp
+    TensorIteratorBase::compute_types, `common_device == kCPU`) copies every input whose dtype differs
+    from the common dtype (`op.tensor().to(common_dtype_)`, promote_inputs_to_common_dtype) and
+    computes into a temporary of the common dtype for an output of another dtype
+    (cast_common_dtype_to_outputs, `at::empty_like(..., common_dtype_)`). Wrapped numbers are operands
+    too: a double 0-dim tensor becomes a float32 one for a float32 op."""
+    if torch.Tag.pointwise not in func.tags:
+        return 0
+    if func in _NO_PROMOTION:
+        return 0
+    bound = _bind(func, args, kwargs)
+    inputs: list[tuple[torch.dtype, int, int, bool]] = []  # dtype, numel, dim, wrapped
+    outputs: list[torch.Tensor] = []
+    wrapped = 0
+    for argument, value in bound:
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if isinstance(value, torch.Tensor):
+            if written:
+                outputs.append(value)
+            if not (written and argument.name == "out") and argument.name not in _NOT_PROMOTED:
+                inputs.append((value.dtype, value.numel(), value.dim(), False))
+        elif _is_number(value) and (_is_tensor_type(argument) or _wraps_scalar(func, argument)):
+            inputs.append((_wrapped_dtype(value), 1, 0, True))
+            wrapped += _itemsize(_wrapped_dtype(value))
+    if func in _IMPLICIT_WRAPPED:
+        inputs.append((torch.float64, 1, 0, True))
+        wrapped += 8
+    if not inputs:
+        return wrapped
+    common = _result_type([(dtype, dim, w) for dtype, _, dim, w in inputs])
+    results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not outputs and results and results[0].dtype != torch.bool and not (
+            results[0].dtype.is_floating_point and common is not None and common.is_complex):
+        common = results[0].dtype  # what the op computes in (e.g. integers promoted to float)
+    if common is None:
+        return wrapped
+    size = _itemsize(common)
+    copies = sum(numel * size for dtype, numel, _, _ in inputs if dtype != common)
+    copies += sum(t.numel() * size for t in outputs if t.dtype != common)
+    return wrapped + copies
+
+
+# Pointwise ops whose kernels take no TensorIterator promotion (masked_fill writes a Scalar through
+# a bool mask: aten/src/ATen/native/TensorAdvancedIndexing.cpp masked_fill_impl_cpu).
+_NO_PROMOTION = frozenset({aten.masked_fill.Scalar, aten.masked_fill_.Scalar})
+
+
+@scratch_rule("cpu", aten.isinf.default)
+def _isinf(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/TensorCompare.cpp isinf: integral inputs give zeros_like; otherwise
+    `self.abs() == std::numeric_limits<double>::infinity()`: the abs, plus a wrapped double converted
+    to the input's dtype (eq.Scalar)."""
+    self = args[0]
+    if not (self.is_floating_point() or self.is_complex()):
+        return 0
+    real = self.abs().dtype if self.is_complex() else self.dtype
+    conversion = 0 if real == torch.float64 else _itemsize(real)
+    return self.numel() * _itemsize(real) + 8 + conversion

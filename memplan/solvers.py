@@ -205,9 +205,19 @@ def solve_chain_dp(problem: ChainProblem, objective: str = "flops") -> Solution:
     # headroom, it becomes the limit, and the answer is the cheapest selection reaching it (feasible=False)
     lowest = _selection(chain, reach_rest, reach, cost_weight=0.0, mem_weight=1.0)
     limit = max(problem.budget_bytes - problem.fixed_bytes, chain.activations(lowest))
-    price, upper = _lagrange(chain, limit, lowest)
-    spans = _cheapest_within(chain, reach, limit, price, _bound_table(chain, 1.0, price)[1], upper)
-    return _chain_solution(problem, "optimal-dp", spans, started, optimality_gap=0.0)
+    price, lower, upper = _lagrange(chain, limit, lowest)
+    togo = _bound_table(chain, 1.0, price)[1]
+    # search below a ceiling on the cost, raised until a selection turns up: a low ceiling prunes hard, and
+    # any selection found under it is optimal, because nothing cheaper was pruned. The Lagrangian bound is
+    # usually within a fraction of a percent of the optimum, the first selection found a little further off.
+    for step in range(_CEILING_STEPS, -1, -1):
+        spans = _cheapest_within(chain, reach, limit, price, togo, upper - (upper - lower) * (1 - 2.0**-step))
+        if spans is not None:
+            return _chain_solution(problem, "optimal-dp", spans, started, optimality_gap=0.0)
+    raise AssertionError("unreachable: the last ceiling admits a known fitting selection")
+
+
+_CEILING_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -290,8 +300,9 @@ def _selection(
     return spans
 
 
-def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tuple[float, float]:
-    """A price per byte for the Lagrangian cost bound, and the cheapest fitting selection's cost met.
+def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tuple[float, float, float]:
+    """A price per byte for the Lagrangian cost bound, the bound at that price (a lower bound on the optimum)
+    and the cheapest fitting selection's cost met (an upper bound).
 
     Minimising cost + price * peak over all selections is the DP of _bound_table; raising the price trades
     cost for memory. The best price lies where the minimisers cross the limit; it is found by intersecting
@@ -299,9 +310,9 @@ def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tupl
     start: the lowest-peak selection), as for any one-constraint Lagrangian dual."""
     over = []  # at price 0 nothing is checkpointed
     if chain.activations(over) <= limit:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     upper = chain.cost(fitting)
-    price = 0.0
+    price, lower = 0.0, 0.0
     for _ in range(_LAGRANGE_STEPS):
         over_cost, over_peak = chain.cost(over), chain.activations(over)
         fit_cost, fit_peak = chain.cost(fitting), chain.activations(fitting)
@@ -309,13 +320,14 @@ def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tupl
         rest, bound = _bound_table(chain, 1.0, price)
         found = _selection(chain, rest, bound, 1.0, price)
         line = over_cost + price * (over_peak - limit)
-        if bound[0][0] - price * limit >= line - 1e-12 * (abs(line) + price * limit):
+        lower = max(lower, bound[0][0] - price * limit)
+        if lower >= line - 1e-12 * (abs(line) + price * limit):
             break  # no selection lies below both lines: the price is the dual optimum
         if chain.activations(found) <= limit:
             fitting, upper = found, min(upper, chain.cost(found))
         else:
             over = found
-    return price, upper
+    return price, min(lower, upper), upper
 
 
 _LAGRANGE_STEPS = 50  # the line intersection converges in far fewer steps; this only guards against float ties
@@ -325,14 +337,15 @@ _State = tuple[float, int, int, tuple | None]
 
 
 def _cheapest_within(
-    chain: _Chain, reach: np.ndarray, limit: int, price: float, togo: np.ndarray, upper: float
-) -> list[tuple[int, int]]:
+    chain: _Chain, reach: np.ndarray, limit: int, price: float, togo: np.ndarray, ceiling: float
+) -> list[tuple[int, int]] | None:
+    """The cheapest fitting selection that costs at most `ceiling`, or None."""
     n = len(chain.saved)
     reach_rows = [row.tolist() for row in reach]
     # a partial selection of cost c and memory m cannot fit for less than c + price * (m - limit) + togo[k][x];
     # the slack absorbs float rounding in that bound, so the optimum is never dropped
     togo_rows = [(row - price * limit).tolist() for row in togo]
-    ceiling = upper + 1e-9 * (abs(upper) + price * limit)
+    ceiling += 1e-9 * (abs(ceiling) + price * limit)
     pending: list[list[_State]] = [[] for _ in range(n + 1)]
     pending[0].append((0.0, 0, 0, None))
     for k in range(n):
@@ -349,9 +362,12 @@ def _cheapest_within(
                 if mem_cut + reach_rows[after][top] <= limit and cost_cut + price * mem_cut + togo_rows[after][top] <= ceiling:
                     pending[after].append((cost_cut, mem_cut, top, ((k, span.last), trail)))
         pending[k] = []  # free what is no longer needed
-    # every surviving state fits (at the end, reach is the largest segment itself): the cheapest, then the
-    # lowest peak
-    cost, mem, x, trail = min(pending[n], key=lambda s: (s[0], s[1] + chain.thresholds[s[2]]))
+    # every surviving state fits (at the end, reach is the largest segment itself), but one with memory to
+    # spare may cost more than the ceiling: the bound only says it costs no less
+    done = [state for state in pending[n] if state[0] <= ceiling]
+    if not done:
+        return None
+    cost, mem, x, trail = min(done, key=lambda s: (s[0], s[1] + chain.thresholds[s[2]]))  # then the lowest peak
     spans = []
     while trail is not None:
         span, trail = trail

@@ -304,10 +304,14 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             return tensor
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
-        with recorder, _module_scopes(recorder, prepared.model, calls), torch.autograd.graph.saved_tensors_hooks(
-            mark_saved, lambda t: t
-        ):
-            run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
+        try:
+            with recorder, _module_scopes(recorder, prepared.model, calls), torch.autograd.graph.saved_tensors_hooks(
+                mark_saved, lambda t: t
+            ):
+                run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
+        finally:
+            if hasattr(rules.autocast, "close"):
+                rules.autocast.close()  # the emulated autocast kernels stay registered until closed
         # Optimizer state created in the last step is named at its "end"; everything still live
         # is freed when the step's objects go, after the last recorded op.
         del prepared

@@ -73,15 +73,18 @@ def test_cuda_lists_match_the_installed_header_macros():
     text = header.read_text()
 
     def macro(name):
-        body = re.search(rf"#define {name}\(_\)(.*?)\n\n", text, re.S).group(1)
+        body = re.search(rf"#define {name}\(_\)(.*?)\n\n", text, re.DOTALL).group(1)
         return {a + ("." + b if b else "") for a, b in re.findall(r"_\((\w+)(?:,\s*(\w+))?\)", body)}
 
     cuda = AUTOCAST_LISTS["cuda"]
-    assert cuda.lower_precision == macro("AT_FORALL_LOWER_PRECISION_FP") | {"cudnn_convolution", "cudnn_convolution_transpose"}
+    assert cuda.lower_precision == macro("AT_FORALL_LOWER_PRECISION_FP") | {
+        "cudnn_convolution",
+        "cudnn_convolution_transpose",
+    }
     assert cuda.fp32 == macro("AT_FORALL_FP32")
     assert cuda.fp32_set_opt_dtype == macro("AT_FORALL_FP32_SET_OPT_DTYPE")
     assert cuda.promote == macro("AT_FORALL_PROMOTE")
-    body = re.search(r"#define AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE\(_\)(.*?)\n\n", text, re.S).group(1)
+    body = re.search(r"#define AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE\(_\)(.*?)\n\n", text, re.DOTALL).group(1)
     assert {name for name, _ in cuda.fp32_append_dtype} == set(re.findall(r'"(norm\.\w+)"', body))
 
 
@@ -230,12 +233,11 @@ def test_cuda_lists_cast_a_parameter_once_per_region_and_free_the_copy_at_exit()
     x = torch.randn(4, 8)
     with emulated_autocast("cuda") as emulator:
         for _ in range(2):  # each region casts it once
-            with Recorder() as rec:
-                with torch.no_grad(), emulator("cpu", FP16):
-                    y = F.linear(F.linear(x, w), w)
-                    assert len(ac._cast_cache) == 1
-                    cast = weakref.ref(ac._cast_cache[id(w)][1])
-                    assert cast().dtype == FP16
+            with Recorder() as rec, torch.no_grad(), emulator("cpu", FP16):
+                y = F.linear(F.linear(x, w), w)
+                assert len(ac._cast_cache) == 1
+                cast = weakref.ref(ac._cast_cache[id(w)][1])
+                assert cast().dtype == FP16
             assert sum(1 for op, _, src in rec.ops if op == "aten._to_copy.default" and src == id(w)) == 1
             assert y.dtype == FP16
             assert not ac._cast_cache and cast() is None  # the cached copy went with the region
@@ -271,18 +273,17 @@ def test_cuda_lists_promote_banned_and_append_dtype():
         assert b.norm().dtype == FP32
         with pytest.raises(RuntimeError, match="unsafe to autocast"):
             F.binary_cross_entropy(torch.rand(4), torch.rand(4))
-    with emulated_autocast("cpu") as emulator, emulator("cpu", BF16):
-        with pytest.raises(RuntimeError):
-            torch.dot(a, b)  # not listed on the CPU: mismatched dtypes
+    with emulated_autocast("cpu") as emulator, emulator("cpu", BF16), pytest.raises(RuntimeError):
+        torch.dot(a, b)  # not listed on the CPU: mismatched dtypes
 
 
 def test_cpu_only_policies_are_off_under_cuda_lists():
-    x = torch.randn(1, 2, 4, 4, 4).to(BF16)
+    x = torch.randn(1, 2, 5).to(BF16)
     a, b = torch.randn(3), torch.randn(3).to(BF16)
     with torch.autocast("cpu", dtype=BF16):
-        assert F.avg_pool3d(x, 2).dtype == FP32  # fp32 on the CPU's list
+        assert F.pad(x, (1, 1), mode="reflect").dtype == FP32  # reflection_pad1d: fp32 on the CPU's list
     with emulated_autocast("cuda") as emulator, emulator("cpu", BF16):
-        assert F.avg_pool3d(x, 2).dtype == BF16  # not on CUDA's
+        assert F.pad(x, (1, 1), mode="reflect").dtype == BF16  # not on CUDA's
         with Recorder() as rec:
             assert torch.stack([a, b]).dtype == FP32  # plain type promotion, not the CPU's promote cast
         assert "aten._to_copy.default" not in [op for op, _, _ in rec.ops]
@@ -357,6 +358,7 @@ def test_trace_with_cuda_lists(precision):
     emulated = trace_step(workload, config, TraceRules(autocast=emulated_autocast("cuda")))
     native = trace_step(workload, config, TraceRules())
     assert not ac._REGISTRY.holders  # the trace's emulator went with it
+
     def loss_ops(trace):  # (op, bytes it allocates) from the LM head's matmul to nll_loss
         ops = [op for op in trace.ops if op.phase == "forward" and op.name != "prim.device.default"]
         last_mm = max(i for i, op in enumerate(ops) if op.name == "aten.mm.default")
@@ -370,8 +372,16 @@ def test_trace_with_cuda_lists(precision):
     low = 2  # bytes of fp16/bf16
     # CUDA: cross_entropy is not listed; it decomposes into log_softmax(logits, dtype=logits.dtype)
     # (low precision, saved) and nll_loss (fp32 list: a saved fp32 copy of the log-probabilities)
-    assert loss_ops(emulated) == [("mm", [n * low]), ("_log_softmax", [n * low]), ("_to_copy", [n * 4]),
-                                  ("nll_loss_forward", [4, 4])]
+    assert loss_ops(emulated) == [
+        ("mm", [n * low]),
+        ("_log_softmax", [n * low]),
+        ("_to_copy", [n * 4]),
+        ("nll_loss_forward", [4, 4]),
+    ]
     # the CPU lists cross_entropy_loss as fp32: the logits are cast first, log_softmax runs in fp32
-    assert loss_ops(native) == [("mm", [n * low]), ("_to_copy", [n * 4]), ("_log_softmax", [n * 4]),
-                                ("nll_loss_forward", [4, 4])]
+    assert loss_ops(native) == [
+        ("mm", [n * low]),
+        ("_to_copy", [n * 4]),
+        ("_log_softmax", [n * 4]),
+        ("nll_loss_forward", [4, 4]),
+    ]
