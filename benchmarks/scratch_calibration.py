@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch._C._profiler import _EventType
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -69,35 +69,52 @@ def _describe(args: Any, kwargs: dict) -> tuple[str, str]:
     return " ".join(shapes), ",".join(sorted(set(dtypes)))
 
 
+def _to_meta(tree: Any, storages: dict[int, Any]) -> Any:
+    """Meta tensors laid out like the tensors of `tree`, sharing storages as they do."""
+
+    def convert(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            return value
+        key = value.untyped_storage()._cdata
+        if key not in storages:
+            storages[key] = torch.empty(value.untyped_storage().nbytes(), dtype=torch.uint8,
+                                        device="meta").untyped_storage()
+        meta = torch.empty(0, dtype=value.dtype, device="meta")
+        meta.set_(storages[key], value.storage_offset(), value.shape, value.stride())
+        return meta
+
+    return tree_map(convert, tree)
+
+
 class Probe(TorchDispatchMode):
-    """Runs each op for real inside a profiler range named after its index."""
+    """Runs each op for real inside a profiler range named after its index; keeps a meta copy of its
+    operands and outputs to evaluate the rules on afterwards (rules may profile ops themselves)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[OpCall] = []
+        self.metas: list[tuple] = []
         self.phase = "setup"
-        self.rule = scratch_of("cpu")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         index = len(self.calls)
+        storages: dict[int, Any] = {}
+        before = _to_meta((args, kwargs), storages)  # before the op: in-place ops keep the layout
         with torch.profiler.record_function(f"{_TAG}{index}"):
             out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        seen, out_bytes = set(), 0
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in inputs and key not in seen and storage.nbytes():
-                    seen.add(key)
-                    out_bytes += storage.nbytes()
-        from memplan.scratch import SCRATCH_RULES
+        from memplan.scratch import new_storage_bytes
 
-        rule = self.rule(func, args, kwargs, out) if ("cpu", func._overloadpacket) in SCRATCH_RULES else None
+        out_bytes = new_storage_bytes(out, (args, kwargs))
         shapes, dtypes = _describe(args, kwargs)
-        self.calls.append(OpCall(index, func, self.phase, shapes, dtypes, out_bytes, rule))
+        self.calls.append(OpCall(index, func, self.phase, shapes, dtypes, out_bytes, None))
+        self.metas.append((*before, _to_meta(out, storages)))
         return out
+
+    def evaluate_rules(self) -> None:
+        rule = scratch_of("cpu")
+        for call, (args, kwargs, out) in zip(self.calls, self.metas):
+            call.rule = int(rule(call.func, args, kwargs, out))
 
 
 def _allocations(node: Any) -> list[tuple[int, int]]:
@@ -155,6 +172,7 @@ def calibrate(name: str, precision: str, optimizer: str, steps: int = 2) -> tupl
         with probe:
             run_steps(prepared, StepConfig(precision=precision, optimizer=optimizer, steps=steps), on_phase=on_phase)
     outside = attribute(prof, probe.calls)
+    probe.evaluate_rules()
     return probe.calls, outside
 
 
@@ -164,14 +182,15 @@ def report(calls: list[OpCall], outside: list[tuple[int, int]], show_all: bool, 
     print(header)
     rows: dict[tuple, list[OpCall]] = defaultdict(list)
     for call in calls:
-        key = (call.index,) if each else (str(call.func), call.shapes, call.dtypes, call.out_bytes, call.net, call.extra)
+        key = (call.index,) if each else (str(call.func), call.shapes, call.dtypes, call.out_bytes, call.net, call.extra,
+                                          call.rule)
         rows[key].append(call)
     for group in rows.values():
         c = group[0]
         expected = c.rule or 0
         if not show_all and c.extra == expected and c.net == c.out_bytes:
             continue
-        rule = "-" if c.rule is None else str(c.rule)
+        rule = str(c.rule)
         flag = "" if c.extra == expected else "  <-- scratch"
         if c.net != c.out_bytes:
             flag += "  <-- net!=out"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
+from memplan.cuda_attention import CudaAttention
 from memplan.errors import BadInput
 from memplan.scratch import scratch_of
 from memplan.step import StepConfig, optimizer_rule
@@ -65,6 +66,7 @@ class DeviceModel:
     workspace_ops: frozenset[str] = frozenset()
     foreach_optimizers: bool = False  # torch's optimizer default: foreach on CUDA, for-loop on the CPU
     autocast_lists: str | None = None  # "cuda": emulate CUDA's autocast op lists on fake CPU tensors
+    function_mode: Callable[[], Any] | None = None  # device kernel choices made at the Python level
     # allocator(baseline storage id -> bytes): the allocator model, with the baseline already live
     allocator: Callable[[dict[int, int]], Any] = ExactAllocator.from_live
 
@@ -77,7 +79,8 @@ class DeviceModel:
             from memplan.autocast import emulated_autocast
 
             autocast = emulated_autocast(self.autocast_lists)
-        return TraceRules(scratch=self.scratch, foreach=foreach, autocast=autocast)
+        extra = {"function_mode": self.function_mode} if self.function_mode else {}
+        return TraceRules(scratch=self.scratch, foreach=foreach, autocast=autocast, **extra)
 
 
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an H100/H200 unless --gpu says otherwise
@@ -94,6 +97,7 @@ def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY)
         foreach_optimizers=True,
         autocast_lists="cuda",
         allocator=CudaCachingAllocator.from_live,
+        function_mode=CudaAttention,
     )
 
 

@@ -415,3 +415,137 @@ def _isinf(args: tuple, kwargs: dict, out: Any) -> int:
     real = self.abs().dtype if self.is_complex() else self.dtype
     conversion = 0 if real == torch.float64 else _itemsize(real)
     return self.numel() * _itemsize(real) + 8 + conversion
+
+
+# --------------------------------------------------------------------------------------------------
+# Reductions
+
+
+def _reduction_input_copy(self: torch.Tensor, in_dtype: torch.dtype) -> int:
+    """aten/src/ATen/native/ReduceOpsUtils.h make_reduction: on the CPU the input is reduced in the
+    output's dtype (make_reduction_from_out_ty: `in_dtype = out_dtype` unless complex or CUDA), through
+    a full copy `self.to(in_dtype)` when its own dtype differs."""
+    if self.is_complex() and not in_dtype.is_complex:
+        in_dtype = torch.promote_types(in_dtype, torch.complex64)
+    return 0 if self.dtype == in_dtype else self.numel() * _itemsize(in_dtype)
+
+
+@scratch_rule("cpu", aten.sum.dim_IntList, aten.sum.default, aten.nansum.default, aten.prod.default,
+              aten.prod.dim_int)
+def _sum(args: tuple, kwargs: dict, out: Any) -> int:
+    """ReduceOps.cpp sum_out/nansum_out/prod_out -> make_reduction_from_out_ty(self, result, ...,
+    result.scalar_type()): the only scratch is the input's copy in the output dtype (a bf16 tensor
+    summed with dtype=float32, a bool mask summed into int64)."""
+    return _reduction_input_copy(args[0], out.dtype)
+
+
+@scratch_rule("cpu", aten.mean.dim, aten.mean.default)
+def _mean(args: tuple, kwargs: dict, out: Any) -> int:
+    """ReduceOps.cpp TORCH_IMPL_FUNC(mean_out), CPU branch: bf16/fp16 results are computed in a
+    float32 `result_temp = result.to(kFloat)`; `at::sum_out(result_temp, self, ..., sum_out_dtype)`
+    copies the input to that dtype if it differs (freed when the sum is done); then
+    `.div_(dim_prod)` divides by a wrapped int64, which TensorIterator converts to the sum dtype."""
+    self = args[0]
+    half = out.dtype in _REDUCED
+    sum_dtype = torch.float32 if half else out.dtype
+    temp = out.numel() * 4 if half else 0
+    divide = 8 + (0 if sum_dtype == torch.int64 else _itemsize(sum_dtype))
+    return temp + max(_reduction_input_copy(self, sum_dtype), divide)
+
+
+@scratch_rule("cpu", aten.all.default, aten.all.dim, aten.all.dims, aten.any.default, aten.any.dim,
+              aten.any.dims)
+def _all_any(args: tuple, kwargs: dict, out: Any) -> int:
+    """ReduceOps.cpp allany_impl: one element -> `self.view_as(result).to(kBool)`; otherwise on the
+    CPU get_allany_iter -> make_reduction_from_out_ty(..., result.scalar_type()): a bool copy of a
+    non-bool input."""
+    self = args[0]
+    if self.numel() == 0 or self.dtype == out.dtype:
+        return 0
+    return self.numel() * _itemsize(out.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Normalization
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    """at::opmath_type: float32 for the reduced floating types."""
+    return torch.float32 if dtype in _REDUCED else dtype
+
+
+def _channels_last_kernel(x: torch.Tensor) -> bool:
+    """aten/src/ATen/native/cpu/batch_norm_kernel.cpp batch_norm_cpu_*_kernel: NCHW-contiguous input
+    with image_size == 1 ("NC11 is also channels last") or channels-last input take the
+    channels-last implementation."""
+    image_size = x.numel() // (x.shape[0] * x.shape[1]) if x.numel() else 0
+    if x.is_contiguous():
+        return image_size == 1
+    return x.dim() in (4, 5) and x.is_contiguous(
+        memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Normalization.cpp is_contiguous: contiguous, channels-last or channels-last-3d."""
+    return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
+        x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+def _is_mixed(x: torch.Tensor, *params: Any) -> bool:
+    """ATen/native/cpu/mixed_data_type.h is_mixed_type: reduced-precision input, float32 parameters."""
+    return x.dtype in _REDUCED and any(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)
+
+
+@scratch_rule("cpu", aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
+def _batch_norm(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/Normalization.cpp batch_norm_cpu -> batch_norm_cpu_update_stats_template
+    (training, contiguous input): `_mean` and `_var_sum` (C each, in float32 for a mixed-type call,
+    else the input dtype) while batch_norm_cpu_collect_stats_kernel runs, whose channels-last
+    implementation (batch_norm_kernel.cpp batch_norm_cpu_collect_stats_channels_last_internal) adds a
+    {num_threads, C} float buffer: always for reduced precision, for float32/64 when
+    N*H*W > num_threads. Then batch_norm_cpu_transform_input_template -> batch_norm_cpu_kernel:
+    `alpha` and `beta` (C each, opmath dtype). Inference (or a non-contiguous input) keeps only these."""
+    x, weight, bias, running_mean, running_var, training = args[:6]
+    channels = x.shape[1] if x.dim() > 1 else 1
+    mixed = _is_mixed(x, weight, bias, running_mean, running_var)
+    stat = 4 if mixed else _itemsize(x.dtype)
+    alpha_beta = 2 * channels * _itemsize(_opmath(x.dtype))
+    if not training or not _dense(x):
+        return alpha_beta if _dense(x) else 0
+    collect = 2 * channels * stat
+    if _channels_last_kernel(x):
+        threads = torch.get_num_threads()
+        n = x.numel() // channels
+        if x.dtype in _REDUCED:
+            collect += threads * channels * 4
+        elif n > threads:
+            collect += threads * channels * _itemsize(x.dtype)
+    return max(collect, alpha_beta)
+
+
+@scratch_rule("cpu", aten.native_batch_norm_backward.default)
+def _batch_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """Normalization.cpp batch_norm_backward_cpu_template: with input and grad_output dense in the
+    same memory format, grad_input is allocated a second time (`grad_input = at::empty_like(input,
+    suggest_memory_format_contig(input))`) before the first is released; then the channels-last
+    kernel (batch_norm_kernel.cpp batch_norm_cpu_backward_channels_last_impl/_internal) allocates a
+    {2, num_threads, C} opmath buffer, plus float32 weight/mean/invstd copies for reduced precision
+    (float32: `invstd` in inference, `weight_` when weight is undefined). The contiguous kernel
+    allocates nothing. Otherwise the generic path reduces `at::sum(grad_out)` (C)."""
+    grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, _eps, mask = args[:10]
+    channels = x.shape[1] if x.dim() > 1 else 1
+    same_format = _dense(x) and _dense(grad_out) and (
+        x.is_contiguous() == grad_out.is_contiguous())
+    if not same_format:
+        return channels * _itemsize(x.dtype)
+    second_grad_input = x.numel() * _itemsize(x.dtype) if mask[0] else 0
+    kernel = 0
+    if _channels_last_kernel(x):
+        threads = torch.get_num_threads()
+        size = _itemsize(_opmath(x.dtype))
+        kernel = 2 * threads * channels * size
+        if x.dtype in _REDUCED:
+            kernel += 3 * channels * 4
+        else:
+            kernel += (0 if train else channels * size) + (0 if weight is not None else channels * size)
+    return max(second_grad_input, kernel)

@@ -123,6 +123,8 @@ class TraceRules:
     scratch: Callable[[Any, tuple, dict, Any], int] = lambda func, args, kwargs, out: 0
     foreach: bool | None = None  # the optimizer's foreach flag (None: torch's default for CPU tensors)
     autocast: Callable[[str, torch.dtype], contextlib.AbstractContextManager] | None = None
+    # a function mode standing in for device-specific kernel choices (e.g. CUDA's fused attention)
+    function_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 class _Recorder(TorchDispatchMode):
@@ -305,9 +307,8 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:
-            with recorder, _module_scopes(recorder, prepared.model, calls), torch.autograd.graph.saved_tensors_hooks(
-                mark_saved, lambda t: t
-            ):
+            with rules.function_mode(), recorder, _module_scopes(recorder, prepared.model, calls), \
+                    torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:
             if hasattr(rules.autocast, "close"):

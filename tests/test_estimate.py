@@ -160,3 +160,17 @@ def test_cuda_estimate_runs_every_precision():
              for p in ("fp32", "amp-fp16", "amp-bf16", "fp16-master", "bf16", "fp16")}
     assert peaks["bf16"] < peaks["fp32"]
     assert all(peak % 512 == 0 for peak in peaks.values())
+
+
+@pytest.mark.parametrize("precision, kernel", [("fp32", "efficient"), ("amp-bf16", "flash"), ("bf16", "flash")])
+def test_cuda_traces_use_the_fused_attention_cuda_picks(precision, kernel):
+    from memplan.estimate import estimate_and_trace
+
+    workload = _tiny("gpt2")  # dropout 0.1: the CPU falls back to the math path, CUDA does not
+    _, trace = estimate_and_trace(workload, StepConfig(precision=precision, optimizer="sgd"), device="cuda")
+    names = {op.name for op in trace.ops}
+    assert f"aten._scaled_dot_product_{kernel}_attention.default" in names
+    assert f"aten._scaled_dot_product_{kernel}_attention_backward.default" in names
+    _, cpu_trace = estimate_and_trace(workload, StepConfig(precision=precision, optimizer="sgd"), device="cpu")
+    assert not any("efficient" in op.name or op.name.startswith("aten._scaled_dot_product_flash_attention.")
+                   for op in cpu_trace.ops)

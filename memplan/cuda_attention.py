@@ -1,0 +1,45 @@
+"""CUDA's choice of attention kernel, on fake CPU tensors.
+
+On the CPU, `scaled_dot_product_attention` with dropout falls back to the math path, which
+materialises the attention matrix; on a CUDA GPU the fused kernels handle dropout and never do.
+So when tracing for CUDA, a function mode sends SDPA to the kernel CUDA would pick (torch's
+sdp_utils priority: flash attention, then memory-efficient attention, then math): flash for
+fp16/bf16 without an explicit mask and head dim <= 256, memory-efficient otherwise (fp32, masks).
+Both have meta kernels, so they run under fake tensors with their real saved tensors (output and
+log-sum-exp, not the attention matrix).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+aten = torch.ops.aten
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if torch.is_autocast_enabled("cpu"):  # the emulated CUDA autocast: SDPA is on the lower-precision list
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+    if enable_gqa and key.size(-3) != query.size(-3):  # grouped-query attention: share each key/value head
+        repeat = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    with torch.autocast("cpu", enabled=False):
+        if query.dtype in FLASH_DTYPES and attn_mask is None and query.size(-1) <= FLASH_MAX_HEAD_DIM:
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        needs_lse = query.requires_grad or key.requires_grad or value.requires_grad
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, needs_lse, dropout_p, is_causal, scale=scale
+        )[0]
+
+
+class CudaAttention(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return _cuda_sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
