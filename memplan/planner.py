@@ -26,6 +26,8 @@ CONTAINERS = ("ModuleList", "Sequential")
 # Recomputing these in backward would change the model's state a second time.
 STATEFUL_IN_FORWARD = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
 CLOSED_LOOP_ROUNDS = 8
+BISECTION_ROUNDS = 4
+BASELINES = ("every-block", "sqrt-n", "uniform-k")
 
 
 @dataclass(frozen=True)
@@ -126,18 +128,49 @@ def plan_checkpoints(
     fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in candidates.blocks))
     solver_budget = budget_bytes
     best: tuple[Plan, Estimate, Solution] | None = None
-    tried: set[tuple] = set()
+    realised: dict[tuple, tuple[Plan, Estimate]] = {}
+    excess_scale = 1
+    loose: int | None = None  # the last solver budget whose plan did not fit
     for _ in range(CLOSED_LOOP_ROUNDS):
         solution = _solve(method, ChainProblem(candidates.blocks, fixed, max(0, solver_budget)))
-        if solution.segments in tried:
-            break  # tightening no longer changes the choice
-        tried.add(solution.segments)
-        plan, planned = _realise(workload, config, device, solution, budget_bytes, unplanned)
+        if solution.segments in realised:
+            excess_scale *= 2  # the same choice again: tighten harder
+        else:
+            realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned)
+        plan, planned = realised[solution.segments]
         if best is None or plan.feasible or planned.peak_bytes < best[1].peak_bytes:
             best = (plan, planned, solution)
         if plan.feasible or not solution.feasible:
             break
-        solver_budget -= planned.peak_bytes - budget_bytes  # the cost model was optimistic: tighten
+        # the cost model was optimistic: tighten the solver's budget by what the estimator found over
+        loose = solver_budget
+        solver_budget -= excess_scale * (planned.peak_bytes - budget_bytes)
+    if best[0].feasible and solver_budget < budget_bytes and loose is not None:
+        # we may have tightened past the cheapest fitting plan: bisect between the last solver budget
+        # whose plan did not fit and the one whose plan did
+        tight = solver_budget
+        for _ in range(BISECTION_ROUNDS):
+            middle = (loose + tight) // 2
+            solution = _solve(method, ChainProblem(candidates.blocks, fixed, max(0, middle)))
+            if solution.segments not in realised:
+                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned)
+            plan, planned = realised[solution.segments]
+            if plan.feasible:
+                tight = middle
+                if plan.recompute_flops < best[0].recompute_flops:
+                    best = (plan, planned, solution)
+            else:
+                loose = middle
+    if method == "optimal-dp" and candidates.blocks:
+        # The cost model can be pessimistic where a baseline's real peak fits: never return a plan
+        # that recomputes more than a baseline the estimator shows fitting.
+        for baseline in BASELINES:
+            solution = _solve(baseline, ChainProblem(candidates.blocks, fixed, budget_bytes))
+            if solution.segments not in realised:
+                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned)
+            plan, planned = realised[solution.segments]
+            if plan.feasible and (not best[0].feasible or plan.recompute_flops < best[0].recompute_flops):
+                best = (replace(plan, method=f"optimal-dp (via {baseline})"), planned, solution)
     plan, planned, solution = best
     return PlanResult(plan, unplanned, planned, candidates, solution)
 
