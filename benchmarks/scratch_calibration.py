@@ -1,4 +1,5 @@
-"""Measure, op by op, the bytes a CPU kernel allocates inside itself beyond its outputs.
+"""Measure, op by op, the bytes a CPU kernel allocates inside itself beyond its outputs, and check
+memplan/scratch.py's rules against them.
 
 A dispatch mode on real tensors wraps every aten op of a real training step (memplan/step.py) in a
 profiler range; the CPU allocator's own events (torch.profiler, profile_memory=True) then land under
@@ -8,14 +9,22 @@ that range in the profiler's event tree. For each op:
     net      allocations minus frees inside the op (== out unless the kernel keeps or frees something)
     extra    peak of the running allocation total inside the op, minus `out`: the scratch that
              `memplan.estimate.simulate` adds on top of the live bytes once the outputs are allocated
-    rule     what memplan/scratch.py predicts for the op ("-" where no rule exists)
+    rule     what memplan/scratch.py gives for the op (evaluated afterwards on meta copies of the
+             operands and outputs, laid out as they were)
 
-Allocations that no op range encloses (the tracer cannot see them at all) are listed separately.
+Allocations that no op range encloses are listed separately (the Python argument parser's wrapped
+numbers, created before the op is dispatched: the rules count them with the op).
 
-    python benchmarks/scratch_calibration.py lstm,unet fp32,bf16 sgd [--threads 1] [--all] [--each]
+    python benchmarks/scratch_calibration.py MODELS [PRECISIONS] [OPTIMIZERS] [--threads N]
+            [--all] [--each] [--events OP,...]      per-op table (default: only rows that disagree)
+    python benchmarks/scratch_calibration.py MODELS PRECISIONS OPTIMIZERS --diff
+            the trace's live bytes against the real run's, op by op: where a tracer issue begins
+    python benchmarks/scratch_calibration.py sweep:pointwise [--threads N]
+            every pointwise aten op over dtype combinations (wrapped numbers, promotion copies)
 
-By default ops are grouped by (op, shapes, dtypes) and only groups whose extra or net differs from
-what the rules and the trace assume are printed; --all prints every group, --each every op call.
+MODELS are zoo names (tiny sizes, batch 2), comma-separated. By default ops are grouped by (op,
+shapes, dtypes) and only groups whose extra differs from the rule, or whose net differs from out,
+are printed; --all prints every group, --each every op call.
 """
 
 from __future__ import annotations
@@ -34,10 +43,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memplan.scratch import scratch_of  # noqa: E402
-from memplan.step import StepConfig, prepare_step, run_steps  # noqa: E402
+from memplan.scratch import scratch_of
+from memplan.step import StepConfig, prepare_step, run_steps
 
 _TAG = "memplan.calibrate#"
+_NO_ALLOCATION = frozenset({"aten.detach.default", "aten.alias.default", "aten.t.default", "aten.view.default",
+                            "aten._unsafe_view.default", "aten.expand.default", "aten.as_strided.default"})
 
 
 @dataclass
@@ -48,7 +59,7 @@ class OpCall:
     shapes: str
     dtypes: str
     out_bytes: int
-    rule: int | None
+    rule: int | None  # memplan/scratch.py's figure, filled in after the run
     net: int = 0
     peak: int = 0  # running maximum of allocations minus frees inside the op
     events: tuple[int, ...] = ()  # the allocator events inside the op, in order (+alloc, -free)
@@ -168,9 +179,10 @@ def calibrate(name: str, precision: str, optimizer: str, steps: int = 2) -> tupl
     def on_phase(phase: str, step: int) -> None:
         probe.phase = f"{phase}{step}"
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        with probe:
-            run_steps(prepared, StepConfig(precision=precision, optimizer=optimizer, steps=steps), on_phase=on_phase)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    config = StepConfig(precision=precision, optimizer=optimizer, steps=steps)
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof, probe:
+        run_steps(prepared, config, on_phase=on_phase)
     outside = attribute(prof, probe.calls)
     probe.evaluate_rules()
     return probe.calls, outside
@@ -194,7 +206,7 @@ def report(calls: list[OpCall], outside: list[tuple[int, int]], show_all: bool, 
         flag = "" if c.extra == expected else "  <-- scratch"
         if c.net != c.out_bytes:
             flag += "  <-- net!=out"
-        print(f"{str(c.func):42s} {c.shapes[:60]:60s} {c.dtypes:18s} {len(group):4d} {c.out_bytes:10d} {c.net:10d} "
+        print(f"{c.func!s:42s} {c.shapes[:60]:60s} {c.dtypes:18s} {len(group):4d} {c.out_bytes:10d} {c.net:10d} "
               f"{c.extra:10d} {rule:>10s}{flag}  [{c.phase}]")
         if events_of and any(name in str(c.func) for name in events_of.split(",")):
             print("    events:", " ".join(f"{n:+d}" for n in c.events))
@@ -203,9 +215,101 @@ def report(calls: list[OpCall], outside: list[tuple[int, int]], show_all: bool, 
         print(f"outside any op: {len(allocs)} allocations, {sum(allocs)} bytes: {allocs[:20]}")
 
 
+def trace_diff(name: str, precision: str, optimizer: str, steps: int = 2) -> None:
+    """Print where the live bytes the trace assumes before each op stop matching the real run's
+    (difference real - trace, each time it changes). Ops are paired in order; the fake run's extra
+    prim ops and the real run's extra detaches are skipped."""
+    from memplan.devices import device_model
+    from memplan.trace import trace_step
+    from memplan.workload import resolve_workload
+    from models import TINY_OVERRIDES
+
+    workload = resolve_workload(name, 2, TINY_OVERRIDES.get(name, {}))
+    config = StepConfig(precision=precision, optimizer=optimizer, steps=steps)
+    trace = trace_step(workload, config, device_model("cpu").trace_rules(config))
+    live_after: dict[int, int] = {}
+    total = 0
+    for event in trace.events:
+        if event.kind in ("alloc", "free"):
+            total += trace.storages[event.storage].nbytes * (1 if event.kind == "alloc" else -1)
+            # the op that allocated, or the last op before the free (trace.py's Event takes it as
+            # `op`; older versions passed it positionally into `nbytes`)
+            live_after[event.op if event.op >= 0 else event.nbytes] = total
+    fake_before, current = [], 0
+    for index in range(len(trace.ops)):
+        fake_before.append(current)
+        current = live_after.get(index, current)
+
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    prepared = prepare_step(model, inputs, config, "cpu")
+    del model, inputs
+    probe = Probe()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof, probe:
+        run_steps(prepared, config)
+    starts: dict[int, int] = {}
+    memory: list[tuple[int, int]] = []
+
+    def visit(node: Any) -> None:
+        if node.typed[0] == _EventType.Allocation:
+            memory.append((node.start_time_ns, node.typed[1].alloc_size))
+            return
+        if node.name.startswith(_TAG):
+            starts[int(node.name[len(_TAG):])] = node.start_time_ns
+        for child in node.children:
+            visit(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        visit(root)
+    memory.sort()
+    real_before, k, total = [], 0, 0
+    for index in range(len(probe.calls)):
+        while k < len(memory) and memory[k][0] < starts[index]:
+            total += memory[k][1]
+            k += 1
+        real_before.append(total)
+
+    # Pair ops in order. Views and prim ops allocate nothing and differ between the runs (the fake
+    # run queries devices, the real one detaches saved tensors): leave them out; otherwise look a few
+    # ops ahead on either side before giving up.
+    def significant(names: list[str]) -> list[int]:
+        return [i for i, n in enumerate(names) if not n.startswith("prim.") and n not in _NO_ALLOCATION]
+
+    real_names = [str(call.func) for call in probe.calls]
+    fake_names = [op.name for op in trace.ops]
+    real_ix = significant(real_names)
+    first = next(op.index for op in trace.ops if op.phase == "forward")
+    fake_ix = [i for i in significant(fake_names) if i >= first]
+    pairs, a, b = [], 0, 0
+    while a < len(real_ix) and b < len(fake_ix):
+        if real_names[real_ix[a]] == fake_names[fake_ix[b]]:
+            pairs.append((real_ix[a], fake_ix[b]))
+            a, b = a + 1, b + 1
+            continue
+        ahead = next(((da, db) for da in range(4) for db in range(4) if (da or db) and a + da < len(real_ix)
+                      and b + db < len(fake_ix) and real_names[real_ix[a + da]] == fake_names[fake_ix[b + db]]), None)
+        if ahead is None:
+            print(f"ops diverge: real #{real_ix[a]} {real_names[real_ix[a]]}, trace #{fake_ix[b]} "
+                  f"{fake_names[fake_ix[b]]}")
+            break
+        a, b = a + ahead[0], b + ahead[1]
+    print(f"{len(pairs)} ops paired")
+    r0, f0 = pairs[0]
+    previous = 0
+    for ri, fi in pairs:
+        difference = (real_before[ri] - real_before[r0]) - (fake_before[fi] - fake_before[f0])
+        if difference != previous:
+            op = trace.ops[fi]
+            before = ", ".join(trace.ops[j].name for j in range(max(f0, fi - 3), fi))
+            print(f"before {op.phase}{op.step} #{fi} {op.name}: real - trace = {difference:+d} "
+                  f"(was {previous:+d}); preceding: {before}")
+            previous = difference
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", help="zoo names, comma-separated; or 'sweep:pointwise' to sweep single ops")
+    parser.add_argument("models", help="zoo names, comma-separated, or sweep:pointwise")
     parser.add_argument("precisions", nargs="?", default="fp32")
     parser.add_argument("optimizers", nargs="?", default="sgd")
     parser.add_argument("--threads", type=int, default=None)
@@ -213,6 +317,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="print every (op, shapes) group")
     parser.add_argument("--each", action="store_true", help="print every op call")
     parser.add_argument("--events", metavar="OP", help="also print the allocator events inside ops named like OP")
+    parser.add_argument("--diff", action="store_true", help="the trace's live bytes against the real run's")
     options = parser.parse_args()
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -223,6 +328,9 @@ def main() -> None:
         for precision in options.precisions.split(","):
             for optimizer in options.optimizers.split(","):
                 print(f"== {name} {precision} {optimizer} threads={torch.get_num_threads()}")
+                if options.diff:
+                    trace_diff(name, precision, optimizer, options.steps)
+                    continue
                 calls, outside = calibrate(name, precision, optimizer, options.steps)
                 report(calls, outside, options.all, options.each, options.events)
 
@@ -285,14 +393,14 @@ def _operand(spec: Any) -> Any:
 
 def sweep(ops: list[Any]) -> int:
     """Run each op over `_OPERAND_PATTERNS`; print where the rule and the allocator disagree."""
-    from memplan.scratch import allocator_events, extra_bytes, new_storage_bytes
+    from memplan.scratch import measure
 
     rule = scratch_of("cpu")
     mismatches = 0
     for op in ops:
         arguments = op._schema.arguments
         for pattern in _OPERAND_PATTERNS:
-            args, position, ok = [], 0, True
+            specs, position, ok = [], 0, True
             for argument in arguments:
                 kind = str(argument.type)
                 if kind in ("Tensor", "number"):
@@ -301,26 +409,33 @@ def sweep(ops: list[Any]) -> int:
                         spec = 2.5 if "float" in spec else 2
                     if kind == "Tensor" and argument.name in ("mask", "condition"):
                         spec = "bool"
-                    args.append(_operand(spec))
+                    specs.append(spec)
                     position += 1
                 elif argument.has_default_value() or argument.kwarg_only:
                     break
                 else:
                     ok = False
                     break
-            if not ok or not args:
+            if not ok or not specs:
                 break
+            seen: list[tuple] = []
+
+            def call(args: list, op: Any = op, seen: list = seen) -> Any:
+                out = op(*args)
+                seen.append((_to_meta(tuple(args), {}), _to_meta(out, {})))
+                return out
+
             try:
-                events, out = allocator_events(lambda: op(*args))
-            except Exception:
-                continue
-            measured = extra_bytes(events, new_storage_bytes(out, args))
-            predicted = rule(op, tuple(args), {}, out)
-            if measured != predicted:
+                measured = measure(call, lambda specs=specs: [_operand(spec) for spec in specs])
+            except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
+                continue  # this op does not take this dtype combination
+            args, out = seen[0]
+            predicted = rule(op, args, {}, out)
+            if measured.extra != predicted:
                 mismatches += 1
                 described = [f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else repr(a) for a in args]
-                print(f"{str(op):40s} {' '.join(described):60s} measured {measured:6d} rule {predicted:6d}  "
-                      f"events {' '.join(f'{n:+d}' for n in events)}")
+                print(f"{op!s:40s} {' '.join(described):60s} measured {measured.extra:6d} rule {predicted:6d}  "
+                      f"events {' '.join(f'{n:+d}' for n in measured.events)}")
     return mismatches
 
 

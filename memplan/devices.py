@@ -17,11 +17,50 @@ import torch
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
 from memplan.cuda_attention import CudaAttention
 from memplan.errors import BadInput
-from memplan.scratch import scratch_of
+from memplan.scratch import rnn_workspace_bytes, scratch_of
 from memplan.step import StepConfig, optimizer_rule
 from memplan.trace import TraceRules
 
 aten = torch.ops.aten
+
+# --------------------------------------------------------------------------------------------------
+# Fake kernels that allocate differently from the real ones: (device, op) -> fix(args, kwargs, out) -> out
+
+OutputFix = Callable[[tuple, dict, Any], Any]
+OUTPUT_FIXES: dict[tuple[str, Any], OutputFix] = {}
+
+
+def _rnn_workspace(args: tuple, kwargs: dict, out: Any) -> Any:
+    """mkldnn_rnn_layer's meta kernel returns an empty workspace; the real one keeps oneDNN's
+    workspace (its 4th output) alive until backward when grad mode is on."""
+    if not torch.is_grad_enabled():
+        return out
+    workspace = out[3].new_empty((rnn_workspace_bytes(args, kwargs),), dtype=torch.uint8)
+    return (*out[:3], workspace)
+
+
+def _batch_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
+    """With a bf16/fp16 input and fp32 weight (autocast, Apex O2), the real CPU and CUDA kernels save
+    the batch mean and inverse std in fp32 (the accumulate type); the fake kernel uses the input's dtype."""
+    x, weight = args[0], args[1] if len(args) > 1 else None
+    if x.dtype in (torch.float16, torch.bfloat16) and weight is not None and weight.dtype == torch.float32:
+        return (out[0], *(t.new_empty(t.shape, dtype=torch.float32) for t in out[1:3]), *out[3:])
+    return out
+
+
+for _device in ("cpu", "cuda"):
+    for _op in (aten.native_batch_norm.default, aten._native_batch_norm_legit.default):
+        OUTPUT_FIXES[(_device, _op)] = _batch_norm_stats_fp32
+OUTPUT_FIXES[("cpu", aten.mkldnn_rnn_layer.default)] = _rnn_workspace
+
+
+def output_fixes(device: str) -> Callable[[Any, tuple, dict, Any], Any]:
+    def fix(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        rule = OUTPUT_FIXES.get((device, func))
+        return rule(args, kwargs, out) if rule else out
+
+    return fix
+
 
 # --------------------------------------------------------------------------------------------------
 # Allocators
@@ -80,7 +119,9 @@ class DeviceModel:
 
             autocast = emulated_autocast(self.autocast_lists)
         extra = {"function_mode": self.function_mode} if self.function_mode else {}
-        return TraceRules(scratch=self.scratch, foreach=foreach, autocast=autocast, **extra)
+        return TraceRules(
+            scratch=self.scratch, foreach=foreach, autocast=autocast, fix_outputs=output_fixes(self.name), **extra
+        )
 
 
 DEFAULT_COMPUTE_CAPABILITY = (9, 0)  # an H100/H200 unless --gpu says otherwise

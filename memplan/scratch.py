@@ -1,32 +1,42 @@
 """Kernel scratch: bytes a kernel allocates and frees inside itself, invisible to a dispatch-level
 trace. A registry (device, aten op) -> formula(args, kwargs, out) -> bytes, checked against the
-allocator's own events (see benchmarks/scratch_calibration.py and tests/test_scratch.py).
+allocator's own events (benchmarks/scratch_calibration.py, tests/test_scratch.py).
 
 The figure is what `memplan.estimate.simulate` adds on top of the live bytes once the op's outputs
 are allocated: the peak of the running allocation total inside the op, minus the bytes of its
-outputs (0 when the kernel needs nothing beyond them).
+outputs (0 when the kernel needs nothing beyond them). Formulas get the operands and outputs as the
+tracer has them (fake tensors) and may read `torch.get_num_threads()`.
 
-Three kinds of rules, all for the "cpu" device (CUDA kernels' scratch comes from the caching
-allocator too, but no CUDA rule here is known well enough from source to be stated):
+Rules for the "cpu" device, of three kinds:
 
-* Generic rules that hold for every op on the CPU: a Python number passed where the schema asks for
-  a Tensor is a 0-dim "wrapped number" tensor the argument parser allocates for the call, and
-  TensorIterator copies every operand whose dtype differs from the computation dtype.
-* Formulas read off PyTorch's own CPU kernels (each cites its file and function).
-* oneDNN: convolutions, reduced-precision matmuls and nn.LSTM run through oneDNN (ideep), whose
-  reorders and scratchpad come from the same CPU allocator. Their sizes are chosen inside oneDNN by
-  implementation dispatch and blocking heuristics that depend on the CPU's ISA, its cache sizes,
-  the thread count and the oneDNN version, so no closed form read off PyTorch's source can state
-  them. For these ops the rule asks oneDNN itself: it runs the op once on real tensors of the same
-  sizes, strides and dtypes (and the current thread count) under the allocator's profiler, and
-  caches the answer by that signature (`probe_scratch`).
+* Generic, for every op: a Python number passed where the schema asks for a Tensor is a 0-dim
+  "wrapped number" tensor (8 bytes) that lives for the call, and TensorIterator copies each operand
+  whose dtype differs from the computation dtype (pointwise ops).
+* Formulas read off PyTorch's own CPU kernels (each cites its file and function): reductions,
+  batch norm, layer norm backward, flash attention, softmax, embedding backward, upsampling, dropout,
+  foreach ops.
+* oneDNN: convolutions, bf16/fp16 matmuls and nn.LSTM run through oneDNN (ideep), whose reorders and
+  scratchpad come from the same CPU allocator. Their sizes are chosen inside oneDNN by implementation
+  dispatch and blocking heuristics that depend on the CPU's ISA and cache sizes, the thread count and
+  the oneDNN version (e.g. src/cpu/x64/matmul/brgemm_matmul_utils.cpp), so no closed form read off
+  PyTorch's source states them. For these ops the rule asks oneDNN itself: it runs the op once on
+  real zero-filled tensors laid out like the traced ones (sizes, strides, dtypes, storage sharing),
+  at the current thread count, under the allocator's profiler, and caches the figure by that
+  signature (`probe_scratch`; operands beyond PROBE_LIMIT_BYTES are not probed).
+
+For "cuda" only what the source states for certain is here (a reduction's input copy); cuDNN and
+cuBLAS-Lt workspaces are chosen at run time and are left to the device model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,18 +85,80 @@ def scratch_of(device: str) -> Callable[[Any, tuple, dict, Any], int]:
 # Measuring an op's scratch on the allocator (oneDNN rules; benchmarks/scratch_calibration.py)
 
 
-def allocator_events(run: Callable[[], Any]) -> tuple[list[int], Any]:
-    """The CPU allocator's events (+bytes allocated, -bytes freed) while `run()` runs, in order,
-    and what it returned."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        result = run()
-    events = [
-        (e.start_ns(), i, e.nbytes())
-        for i, e in enumerate(prof.profiler.kineto_results.events())
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    return [n for _, _, n in sorted(events)], result
+_MEASURED = "memplan.scratch.measured"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    events: tuple[int, ...]  # the allocator's events inside the call, in order (+allocated, -freed)
+    out_bytes: int  # bytes of the storages it returned that none of its operands shares
+    extra: int  # peak of the running total of `events` beyond `out_bytes`: the call's scratch
+
+
+def measure(call: Callable[[Any], Any], setup: Callable[[], Any] = lambda: None) -> Measurement:
+    """Run `call(setup())` under the CPU allocator's profiler and read its events.
+
+    Everything is allocated and freed inside one profiler session: the operands by `setup()`, before
+    the measured call; the result after it. (c10/core/CPUAllocator.cpp ProfiledCPUMemoryReporter keeps
+    the size of each block allocated while profiling until that block is freed while profiling: a
+    block allocated in a session and freed outside it leaves a stale entry that a later session
+    reports, against an unrelated block at the same address, as a free of that size.)"""
+    from torch._C._profiler import _EventType
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():
+        prof.__enter__()
+    try:
+        state = [setup()]
+        with torch.profiler.record_function(_MEASURED):
+            result = [call(state[0])]
+        out_bytes = new_storage_bytes(result, state)
+        state.clear()
+        result.clear()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
+
+    def allocations(node: Any) -> list[tuple[int, int, int]]:
+        found, stack = [], [node]
+        while stack:
+            child = stack.pop()
+            if child.typed[0] == _EventType.Allocation:
+                found.append((child.start_time_ns, len(found), child.typed[1].alloc_size))
+            stack.extend(child.children)
+        return found
+
+    def find(nodes: list) -> Any:
+        for node in nodes:
+            if node.name == _MEASURED:
+                return node
+            hit = find(node.children)
+            if hit is not None:
+                return hit
+        return None
+
+    node = find(prof.profiler.kineto_results.experimental_event_tree())
+    events = tuple(n for _, _, n in sorted(allocations(node))) if node is not None else ()
+    return Measurement(events, out_bytes, extra_bytes(list(events), out_bytes))
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence what the profiler's C++ side writes to fd 2 when it starts and stops (as
+    memplan/verify.py does)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def new_storage_bytes(out: Any, inputs: Any) -> int:
@@ -150,23 +222,26 @@ def probe_scratch(func: Any, args: tuple, kwargs: dict,
         return 0
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), torch.autocast("cpu", enabled=False):
+    def setup() -> tuple[tuple, dict]:
         real_storages = [torch.zeros(max(n, 1), dtype=torch.uint8).untyped_storage() for n in sizes]
 
         def materialize(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
-            storage = real_storages[storages[_storage_key(value)]]
             real = torch.empty(0, dtype=value.dtype)
-            real.set_(storage, value.storage_offset(), value.shape, value.stride())
+            real.set_(real_storages[storages[_storage_key(value)]], value.storage_offset(), value.shape,
+                      value.stride())
             return real
 
         real_args, real_kwargs = tree_map(materialize, (args, kwargs))
-        if prepare is not None:
-            real_args, real_kwargs = prepare(real_args, real_kwargs)
-        events, out = allocator_events(lambda: func(*real_args, **real_kwargs))
-        scratch = extra_bytes(events, new_storage_bytes(out, (real_args, real_kwargs)))
-        del out, real_args, real_kwargs, real_storages
+        return prepare(real_args, real_kwargs) if prepare is not None else (real_args, real_kwargs)
+
+    try:
+        with _disable_current_modes(), torch.autocast("cpu", enabled=False):
+            scratch = measure(lambda operands: func(*operands[0], **operands[1]), setup).extra
+    except Exception as error:  # noqa: BLE001 - an op refusing zero-filled operands: no figure, not no trace
+        warnings.warn(f"memplan: measuring the scratch of {func} failed ({error}); counted as 0", stacklevel=2)
+        scratch = 0
     _PROBED[cache_key] = scratch
     return scratch
 
@@ -211,6 +286,7 @@ def _real_rnn_workspace(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 @scratch_rule("cpu", aten.mkldnn_rnn_layer_backward.default)
 def _mkldnn_rnn_layer_backward(args: tuple, kwargs: dict, out: Any) -> int:
     return probe_scratch(aten.mkldnn_rnn_layer_backward.default, args, kwargs, prepare=_real_rnn_workspace)
+
 
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -532,7 +608,8 @@ def _batch_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
     {2, num_threads, C} opmath buffer, plus float32 weight/mean/invstd copies for reduced precision
     (float32: `invstd` in inference, `weight_` when weight is undefined). The contiguous kernel
     allocates nothing. Otherwise the generic path reduces `at::sum(grad_out)` (C)."""
-    grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, _eps, mask = args[:10]
+    grad_out, x, weight = args[:3]
+    train, mask = args[7], args[9]
     channels = x.shape[1] if x.dim() > 1 else 1
     same_format = _dense(x) and _dense(grad_out) and (
         x.is_contiguous() == grad_out.is_contiguous())
@@ -549,3 +626,200 @@ def _batch_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
         else:
             kernel += (0 if train else channels * size) + (0 if weight is not None else channels * size)
     return max(second_grad_input, kernel)
+
+
+@scratch_rule("cpu", aten.native_layer_norm_backward.default)
+def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/layer_norm.cpp layer_norm_backward_cpu: `input.expect_contiguous()` and
+    `weight.expect_contiguous()` copy non-contiguous operands; cpu/layer_norm_kernel.cpp
+    LayerNormBackwardKernelImpl passes `dY.contiguous()` and, when dgamma or dbeta is wanted,
+    LayerNormBackwardKernelImplInternal zeroes a {2, num_threads, N} buffer of the input dtype."""
+    grad_out, x, normalized_shape, _mean, _rstd, weight, _bias, mask = args[:8]
+    n = math.prod(normalized_shape)
+    size = _itemsize(x.dtype)
+    copies = 0 if x.is_contiguous() else x.numel() * size
+    if weight is not None and not weight.is_contiguous():
+        copies += weight.numel() * _itemsize(weight.dtype)
+    if not grad_out.is_contiguous():
+        copies += grad_out.numel() * _itemsize(grad_out.dtype)
+    buffer = 2 * torch.get_num_threads() * n * size if (mask[1] or mask[2]) else 0
+    return copies + buffer
+
+
+@scratch_rule("cpu", aten.embedding_dense_backward.default)
+def _embedding_dense_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/Embedding.cpp embedding_dense_backward_cpu: `indices.contiguous()`,
+    `grad_.contiguous().view({numel, grad_.size(-1)})` (a copy when the incoming gradient is not
+    contiguous, e.g. behind a transpose), and with scale_grad_by_freq a `counts` vector of
+    num_weights indices."""
+    grad, indices, num_weights, _padding_idx, scale_grad_by_freq = args[:5]
+    extra = 0 if grad.is_contiguous() else grad.numel() * _itemsize(grad.dtype)
+    if not indices.is_contiguous():
+        extra += indices.numel() * _itemsize(indices.dtype)
+    if scale_grad_by_freq:
+        extra += num_weights * _itemsize(indices.dtype)
+    return extra
+
+
+@scratch_rule("cpu", aten._safe_softmax.default)
+def _safe_softmax(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/transformers/attention.cpp _safe_softmax: `at::softmax(self, dim, dtype)`
+    (converting the input first when a dtype is given, freed after), then the -inf mask
+    `self.eq(neg_inf)` (bool, input-sized), the fully-masked rows `all(masked, dim, true)` and a
+    0-dim `zero` of the output dtype for the final where."""
+    self, dim = args[0], args[1]
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    converted = self.numel() * _itemsize(dtype) if dtype is not None and dtype != self.dtype else 0
+    rows = self.numel() // self.shape[dim] if self.dim() and self.shape[dim] else self.numel()
+    return max(converted, self.numel() + rows + _itemsize(out.dtype))
+
+
+def _flash_split(q_len: int) -> int:
+    """cpu/FlashAttentionKernel.cpp flash_attention_kernel_impl: the query block size by length."""
+    return 256 if q_len >= 768 else 64 if q_len >= 192 else 32
+
+
+_KV_SPLIT = 512
+
+
+@scratch_rule("cpu", aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _flash_attention(args: tuple, kwargs: dict, out: Any) -> int:
+    """cpu/FlashAttentionKernel.cpp cpu_flash_attention: per-thread buffers, allocated once for the
+    call: `buf` {num_threads, qSplit*kvSplit + 2*qSplit + qSplit*headSize} in the accumulation type
+    and, for bf16/fp16, `buf_reduced` {num_threads, qSplit, kvSplit}. (float16 on CPUs where oneDNN
+    packs (could_pack) pads the blocks and packs through oneDNN: measured instead.)"""
+    query, key = args[0], args[1]
+    if query.dtype == torch.float16:
+        return probe_scratch(aten._scaled_dot_product_flash_attention_for_cpu.default, args, kwargs)
+    q_len, kv_len, head = query.shape[2], key.shape[2], query.shape[3]
+    q_split = min(_flash_split(q_len), q_len)
+    kv_split = min(_KV_SPLIT, kv_len)
+    threads = torch.get_num_threads()
+    accum = _itemsize(_opmath(query.dtype))
+    buf = threads * (q_split * kv_split + 2 * q_split + q_split * head) * accum
+    reduced = threads * q_split * kv_split * _itemsize(query.dtype) if query.dtype in _REDUCED else 0
+    return buf + reduced
+
+
+@scratch_rule("cpu", aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _flash_attention_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """cpu/FlashAttentionKernel.cpp flash_attention_backward_kernel_impl: `grad_out.contiguous()` in
+    the kernel's (B, L, H, D) layout; cpu_flash_attention_backward: `buf` {num_threads,
+    2*qSplit*kvSplit} in the accumulation type, for bf16/fp16 `buf_reduced` of the same shape, and a
+    `dsum` of qSplit per thread allocated inside the parallel region (the profiler sees the calling
+    thread's). bf16/fp16 blocks then run cpublas::gemm into reduced-precision gradients, which goes
+    to oneDNN (mkldnn_bf16_gemm) with a scratchpad of its own per call: those are measured."""
+    grad_out, query, key = args[0], args[1], args[2]
+    if query.dtype in _REDUCED:
+        return probe_scratch(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, args, kwargs)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    q_split = min(_flash_split(q_len), q_len)
+    kv_split = min(_KV_SPLIT, kv_len)
+    threads = torch.get_num_threads()
+    accum = _itemsize(_opmath(query.dtype))
+    copy = 0 if grad_out.transpose(1, 2).is_contiguous() else grad_out.numel() * _itemsize(grad_out.dtype)
+    return copy + threads * 2 * q_split * kv_split * accum + q_split * accum
+
+
+def rnn_workspace_bytes(args: tuple, kwargs: dict) -> int:
+    """The bytes of the oneDNN workspace that aten.mkldnn_rnn_layer returns as its 4th output when
+    grad mode is on (mkldnn/RNN.cpp: `at::empty(pd.workspace_desc().get_size(), kByte)`), kept for
+    the backward. The meta kernel (torch/_meta_registrations.py mkldnn_rnn_layer) returns an empty
+    one, so the tracer needs this to size it: measured from oneDNN like the scratch. Cached."""
+    key = ("workspace",) + tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+                                 for t in tree_flatten((args, kwargs))[0]) + (torch.get_num_threads(),)
+    if key not in _PROBED:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.enable_grad():
+            real = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t,
+                            (args, kwargs))
+            _PROBED[key] = aten.mkldnn_rnn_layer.default(*real[0], **real[1])[3].untyped_storage().nbytes()
+    return _PROBED[key]
+
+
+# --------------------------------------------------------------------------------------------------
+# Other CPU kernels
+
+
+@scratch_rule("cpu", aten.native_dropout.default)
+def _native_dropout(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/Dropout.cpp native_dropout_cpu, training: a bool `mask` (an output),
+    `output = input.mul(mask).mul_(scale)`: TensorIterator converts the bool mask to the input's
+    dtype for the mul (input-sized), then mul_ wraps the double scale (8 bytes, converted)."""
+    x = args[0]
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    if x.numel() == 0 or train is False:
+        return 0
+    size = _itemsize(x.dtype)
+    return max(x.numel() * size, 8 + (0 if x.dtype == torch.float64 else size))
+
+
+def _upsample_2d(interp_size: int) -> ScratchFormula:
+    """aten/src/ATen/native/cpu/UpSampleKernel.cpp upsample_{nearest,bilinear}2d_kernel_impl: with a
+    channels-last input of more than 3 channels, or an output with H + W <= 128
+    (_use_channels_last_kernel_2d), the channels-last kernel runs on `input_.contiguous(ChannelsLast)`
+    into `output_.contiguous(ChannelsLast)` and copies back: a copy of each that is not channels-last
+    already. Otherwise upsample_non_separable_Nd_kernel_impl builds, per spatial dimension and
+    interpolation tap, an int64 index and a weight of the input dtype over the output size."""
+
+    def formula(args: tuple, kwargs: dict, out: Any) -> int:
+        x = args[0]
+        if x.dim() != 4:
+            return 0
+        channels_last = x.is_contiguous(memory_format=torch.channels_last)
+        if (channels_last and x.shape[1] > 3) or out.shape[-2] + out.shape[-1] <= 128:
+            copies = 0 if channels_last else x.numel() * _itemsize(x.dtype)
+            if not out.is_contiguous(memory_format=torch.channels_last):
+                copies += out.numel() * _itemsize(out.dtype)
+            return copies
+        return sum(interp_size * size * (8 + _itemsize(x.dtype)) for size in out.shape[-2:])
+
+    return formula
+
+
+scratch_rule("cpu", aten.upsample_nearest2d.default, aten._upsample_nearest_exact2d.default)(_upsample_2d(1))
+scratch_rule("cpu", aten.upsample_bilinear2d.default)(_upsample_2d(2))
+
+# CPU foreach kernels for these ops run per tensor (ForeachOpsKernels.cpp
+# foreach_tensor_<op>_scalar_kernel_slow_: `t.<op>_(scalar)`), which wraps the Scalar like the
+# .Scalar overloads do: 8 bytes, converted to each tensor's dtype, one tensor at a time.
+_FOREACH_WRAPPING = ("add", "sub", "mul", "div")
+
+
+def _foreach_scalar(args: tuple, kwargs: dict, out: Any) -> int:
+    tensors, scalars = args[0], args[1]
+    if not isinstance(scalars, (list, tuple)):
+        scalars = [scalars] * len(tensors)
+    worst = 0
+    for t, scalar in zip(tensors, scalars):
+        wrapped = _wrapped_dtype(scalar) if _is_number(scalar) else torch.float64
+        common = _result_type([(t.dtype, t.dim(), False), (wrapped, 0, True)])
+        worst = max(worst, _itemsize(wrapped) + (0 if common == wrapped else _itemsize(common)))
+    return worst
+
+
+for _name in _FOREACH_WRAPPING:
+    for _suffix in ("", "_"):
+        _packet = getattr(aten, f"_foreach_{_name}{_suffix}")
+        for _overload in ("Scalar", "ScalarList"):
+            if _overload in _packet.overloads():
+                scratch_rule("cpu", getattr(_packet, _overload))(_foreach_scalar)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA
+
+
+@scratch_rule("cuda", aten.sum.dim_IntList, aten.sum.default, aten.nansum.default, aten.prod.default,
+              aten.prod.dim_int, aten.mean.dim, aten.mean.default)
+def _cuda_reduction_input_copy(args: tuple, kwargs: dict, out: Any) -> int:
+    """ReduceOpsUtils.h make_reduction_from_out_ty, which CUDA reductions take too (ReduceOps.cpp
+    sum_out, mean_out's non-CPU branch): the input is reduced in the output dtype through
+    `self.to(in_dtype)`, except fp16/bf16 reduced into float32 (gpu_lowp_to_f32). This is the copy
+    only: the reduce kernel's own staging buffer (Reduce.cuh, for reductions it splits across blocks)
+    is not stated here."""
+    self = args[0]
+    if self.dtype in _REDUCED and out.dtype == torch.float32:
+        return 0
+    return _reduction_input_copy(self, out.dtype)

@@ -32,11 +32,14 @@ with the kept activations written as the total minus what the chosen candidates 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
+import sys
 import time
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,12 +153,10 @@ def _run_ends(blocks: Sequence[Block]) -> list[int]:
     return ends
 
 
-def _chain_peak(problem: ChainProblem, spans: Sequence[tuple[int, int]]) -> int:
-    blocks = problem.blocks
-    inside = [sum(b.saved_bytes for b in blocks[first : last + 1]) for first, last in spans]
-    kept = sum(b.saved_bytes for b in blocks) - sum(inside)
-    boundaries = sum(blocks[first].input_bytes for first, _ in spans)
-    return problem.fixed_bytes + kept + boundaries + max(inside, default=0)
+def _activations(saved: Sequence[int], boundary: Sequence[int], spans: Sequence[tuple[int, int]]) -> int:
+    """The model's activation bytes at the peak: kept + segment inputs + the largest segment."""
+    inside = [sum(saved[first : last + 1]) for first, last in spans]
+    return sum(saved) - sum(inside) + sum(boundary[first] for first, _ in spans) + max(inside, default=0)
 
 
 def _chain_solution(
@@ -167,7 +168,8 @@ def _chain_solution(
 ) -> Solution:
     spans = sorted(spans)
     chosen = [b for first, last in spans for b in problem.blocks[first : last + 1]]
-    peak = _chain_peak(problem, spans)
+    saved, boundary = ([getattr(b, name) for b in problem.blocks] for name in ("saved_bytes", "input_bytes"))
+    peak = problem.fixed_bytes + _activations(saved, boundary, spans)
     return Solution(
         method=method,
         segments=tuple(tuple(b.path for b in problem.blocks[first : last + 1]) for first, last in spans),
@@ -236,6 +238,9 @@ class _Chain:
         self.boundary = [b.input_bytes for b in problem.blocks]
         self.costs = costs
         ends = _run_ends(problem.blocks)
+        self.run_start: list[int] = []  # the first block a segment ending at each block may start from
+        for i in range(len(ends)):
+            self.run_start.append(self.run_start[-1] if i and ends[i - 1] >= i else i)
         sums = [list(itertools.accumulate(self.saved[first : ends[first] + 1])) for first in range(len(costs))]
         # thresholds: 0 (no segment) and every distinct segment sum, sorted; a _Span's saved_index points here
         self.thresholds = sorted({0, *itertools.chain.from_iterable(sums)})
@@ -249,8 +254,7 @@ class _Chain:
         ]
 
     def activations(self, spans: Sequence[tuple[int, int]]) -> int:
-        inside = [sum(self.saved[first : last + 1]) for first, last in spans]
-        return sum(self.saved) - sum(inside) + sum(self.boundary[first] for first, _ in spans) + max(inside, default=0)
+        return _activations(self.saved, self.boundary, spans)
 
     def cost(self, spans: Sequence[tuple[int, int]]) -> float:
         return sum(sum(self.costs[first : last + 1]) for first, last in spans)
@@ -332,71 +336,102 @@ def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tupl
 
 _LAGRANGE_STEPS = 50  # the line intersection converges in far fewer steps; this only guards against float ties
 
-# a partial selection: (cost, mem, index of its largest segment's sum, trail of chosen spans)
-_State = tuple[float, int, int, tuple | None]
-
 
 def _cheapest_within(
     chain: _Chain, reach: np.ndarray, limit: int, price: float, togo: np.ndarray, ceiling: float
 ) -> list[tuple[int, int]] | None:
-    """The cheapest fitting selection that costs at most `ceiling`, or None."""
+    """The cheapest fitting selection that costs at most `ceiling` (then the lowest peak), or None.
+
+    Boundary by boundary, the partial selections ending there are gathered from every earlier boundary a
+    move reaches it from (keep the previous block, or a segment ending at it), pruned by the bounds and
+    reduced to their Pareto set, all in numpy arrays. Each state's chosen spans are a linked trail."""
     n = len(chain.saved)
-    reach_rows = [row.tolist() for row in reach]
-    # a partial selection of cost c and memory m cannot fit for less than c + price * (m - limit) + togo[k][x];
-    # the slack absorbs float rounding in that bound, so the optimum is never dropped
-    togo_rows = [(row - price * limit).tolist() for row in togo]
+    thresholds = np.array(chain.thresholds, dtype=np.int64)
+    # a partial selection of cost c and memory m at boundary k cannot fit for less than
+    # c + price * (m - limit) + togo[k][x]; the slack absorbs float rounding so the optimum is never pruned
+    togo = togo - price * limit
     ceiling += 1e-9 * (abs(ceiling) + price * limit)
-    pending: list[list[_State]] = [[] for _ in range(n + 1)]
-    pending[0].append((0.0, 0, 0, None))
-    for k in range(n):
-        saved, boundary = chain.saved[k], chain.boundary[k]
-        for cost, mem, x, trail in _pareto(pending[k], chain.thresholds):
-            mem_kept = mem + saved
-            if mem_kept + reach_rows[k + 1][x] <= limit and cost + price * mem_kept + togo_rows[k + 1][x] <= ceiling:
-                pending[k + 1].append((cost, mem_kept, x, trail))
-            mem_cut = mem + boundary
-            for span in chain.segments[k]:
-                top = max(x, span.saved_index)
-                after = span.last + 1
-                cost_cut = cost + span.cost
-                if mem_cut + reach_rows[after][top] <= limit and cost_cut + price * mem_cut + togo_rows[after][top] <= ceiling:
-                    pending[after].append((cost_cut, mem_cut, top, ((k, span.last), trail)))
-        pending[k] = []  # free what is no longer needed
-    # every surviving state fits (at the end, reach is the largest segment itself), but one with memory to
-    # spare may cost more than the ceiling: the bound only says it costs no less
-    done = [state for state in pending[n] if state[0] <= ceiling]
-    if not done:
+    no_span = np.full(1, -1)
+    frontier = [_Frontier(np.zeros(1), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.intp), no_span)]
+    trail_parent: list[np.ndarray] = []  # node i: the span (trail_first[i], trail_last[i]) after node trail_parent[i]
+    trail_first: list[np.ndarray] = []
+    trail_last: list[np.ndarray] = []
+    nodes = 0
+    for after in range(1, n + 1):
+        last = after - 1
+        before = frontier[last]
+        moves = [(before.cost, before.mem + chain.saved[last], before.x, before.node, np.full(len(before.x), -1))]
+        for first in range(chain.run_start[last], after):
+            source, span = frontier[first], chain.segments[first][last - first]
+            moves.append(
+                (
+                    source.cost + span.cost,
+                    source.mem + chain.boundary[first],
+                    np.maximum(source.x, span.saved_index),
+                    source.node,
+                    np.full(len(source.x), first),
+                )
+            )
+        cost, mem, x, parent, span_first = (np.concatenate(column) for column in zip(*moves))
+        fits = (mem + reach[after][x] <= limit) & (cost + price * mem + togo[after][x] <= ceiling)
+        if after == n:
+            # at the end reach is the largest segment itself, so every state left fits; one with memory to
+            # spare may still cost more than the ceiling (the bound only says it costs no less)
+            fits &= cost <= ceiling
+        keep = np.flatnonzero(fits)
+        keep = keep[_pareto(cost[keep], mem[keep], mem[keep] + thresholds[x[keep]])]
+        # states that just closed a segment get a new trail node; the others carry their parent's
+        new = span_first[keep] >= 0
+        node = parent[keep].copy()
+        node[new] = nodes + np.arange(np.count_nonzero(new))
+        nodes += np.count_nonzero(new)
+        trail_parent.append(parent[keep][new])
+        trail_first.append(span_first[keep][new])
+        trail_last.append(np.full(np.count_nonzero(new), last))
+        frontier.append(_Frontier(cost[keep], mem[keep], x[keep], node))
+    final = frontier[n]
+    if not len(final.cost):
         return None
-    cost, mem, x, trail = min(done, key=lambda s: (s[0], s[1] + chain.thresholds[s[2]]))  # then the lowest peak
-    spans = []
-    while trail is not None:
-        span, trail = trail
-        spans.append(span)
+    best = np.lexsort((final.mem + thresholds[final.x], final.cost))[0]  # the cheapest, then the lowest peak
+    parents, firsts, lasts = (np.concatenate(chunks).tolist() for chunks in (trail_parent, trail_first, trail_last))
+    spans, node = [], int(final.node[best])
+    while node >= 0:
+        spans.append((firsts[node], lasts[node]))
+        node = parents[node]
     return spans
 
 
-def _pareto(states: list[_State], thresholds: list[int]) -> list[_State]:
-    """The states no other state beats on cost, mem and mem + largest segment all at once.
+@dataclass(frozen=True)
+class _Frontier:
+    """The partial selections kept at one boundary, as parallel arrays."""
+
+    cost: np.ndarray
+    mem: np.ndarray  # kept + boundary bytes so far
+    x: np.ndarray  # index of the largest segment's sum among the thresholds
+    node: np.ndarray  # the trail node of the last span chosen, -1 for none
+
+
+def _pareto(cost: np.ndarray, mem: np.ndarray, peak: np.ndarray) -> list[int]:
+    """Indices of the states no other state beats on cost, mem and peak (mem + largest segment) all at once.
 
     Sorted by cost, a state is redundant when an earlier one has mem' <= mem and peak' <= peak; the earlier
     ones are kept as a staircase (mem ascending, peak descending) so that test is one bisection."""
     kept = []
     stair_mem: list[int] = []
     stair_peak: list[int] = []
-    for state in sorted(states, key=lambda s: (s[0], s[1], thresholds[s[2]])):
-        mem = state[1]
-        peak = mem + thresholds[state[2]]
-        below = bisect_right(stair_mem, mem)
-        if below and stair_peak[below - 1] <= peak:
+    order = np.lexsort((peak, mem, cost))
+    for i, m, p in zip(order.tolist(), mem[order].tolist(), peak[order].tolist()):
+        below = bisect_right(stair_mem, m)
+        if below and stair_peak[below - 1] <= p:
             continue
         # the new point replaces the staircase points it covers: same or larger mem, same or larger peak
-        start = bisect_left(stair_mem, mem)
+        start = bisect_left(stair_mem, m)
         end = start
-        while end < len(stair_mem) and stair_peak[end] >= peak:
+        while end < len(stair_mem) and stair_peak[end] >= p:
             end += 1
-        stair_mem[start:end] = [mem]
-        stair_peak[start:end] = [peak]
-        kept.append(state)
+        stair_mem[start:end] = [m]
+        stair_peak[start:end] = [p]
+        kept.append(i)
     return kept
 
 
@@ -415,15 +450,16 @@ class _Item:
 
 
 def solve_milp(
-    problem: ChainProblem | HierarchyProblem, objective: str = "flops", time_limit_s: float | None = None
+    problem: ChainProblem | HierarchyProblem, objective: str = "flops", time_limit_s: float | None = 60.0
 ) -> Solution:
-    """The cheapest fitting selection by MILP; optimality_gap is HiGHS's relative gap (0.0: proven optimal).
+    """The cheapest fitting selection by MILP; optimality_gap is HiGHS's relative gap (0.0: proven optimal,
+    more when it stopped at the time limit, per solve, with the best selection found).
 
     Binary z_s per item, continuous X for the segment being recomputed at the peak:
         min Σ cost_s z_s
         s.t. Σ_{s covers a} z_s <= 1                                  for each atom a (no overlap)
              base + Σ (input_s - saved_s) z_s + X <= budget - fixed   (the memory model)
-             X >= saved_s z_s                                         for each item s (X is the max term)
+             X >= Σ_{s covers a} saved_s z_s                          for each atom a (X is the max term)
     When that is infeasible: first minimise the activation peak, then the cost at that peak."""
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp
@@ -447,19 +483,20 @@ def solve_milp(
 
     delta = np.array([(i.input_bytes - i.saved_bytes) / unit for i in items] + [1.0])  # memory row, X last
     n_atoms = 1 + max(a for i in items for a in i.atoms)
-    rows, cols = zip(*((a, s) for s, item in enumerate(items) for a in item.atoms))
-    no_overlap = LinearConstraint(coo_array((np.ones(len(rows)), (rows, cols)), shape=(n_atoms, m + 1)), -np.inf, 1)
-    max_term = LinearConstraint(
-        coo_array(
-            (
-                np.concatenate([[i.saved_bytes / unit for i in items], -np.ones(m)]),
-                (np.concatenate([np.arange(m), np.arange(m)]), np.concatenate([np.arange(m), np.full(m, m)])),
-            ),
-            shape=(m, m + 1),
+    rows, cols = (np.array(column) for column in zip(*((a, s) for s, item in enumerate(items) for a in item.atoms)))
+    covering = coo_array((np.ones(len(rows)), (rows, cols)), shape=(n_atoms, m + 1)).tocsr()
+    no_overlap = LinearConstraint(covering, -np.inf, 1)
+    # X >= Σ saved_s z_s over the items covering one atom: at most one of them is chosen, so this is
+    # X >= saved of the chosen one, the max term; and summed per atom it is tighter for the LP relaxation
+    # than one row per item
+    saved_at = coo_array(
+        (
+            np.r_[[items[s].saved_bytes / unit for s in cols], -np.ones(n_atoms)],
+            (np.r_[rows, np.arange(n_atoms)], np.r_[cols, np.full(n_atoms, m)]),
         ),
-        -np.inf,
-        0,
+        shape=(n_atoms, m + 1),
     )
+    max_term = LinearConstraint(saved_at, -np.inf, 0)
     integrality = np.r_[np.ones(m), 0]
     bounds = Bounds(0, np.r_[np.ones(m), np.inf])
     options = {"mip_rel_gap": 0.0, **({"time_limit": time_limit_s} if time_limit_s is not None else {})}
@@ -469,7 +506,10 @@ def solve_milp(
         if delta_limit_bytes is not None:
             # + half a byte: byte counts are integers, so this admits exactly the selections that fit
             constraints.append(LinearConstraint(delta, -np.inf, (delta_limit_bytes + 0.5) / unit))
-        result = milp(objective_row, integrality=integrality, bounds=bounds, constraints=constraints, options=options)
+        with _stdout_to_stderr():
+            result = milp(
+                objective_row, integrality=integrality, bounds=bounds, constraints=constraints, options=options
+            )
         if result.x is None and result.status != 2:
             raise MemplanError(f"the MILP solver stopped without a solution: {result.message}")
         chosen = [] if result.x is None else [s for s in range(m) if result.x[s] > 0.5]
@@ -483,6 +523,20 @@ def solve_milp(
         reached += max((items[s].saved_bytes for s in lowest), default=0)
         result, chosen = solve(cost_row, reached)
     return _milp_solution(problem, spans, chosen, started, getattr(result, "mip_gap", None))
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """HiGHS 1.12 (in scipy 1.17) now and then prints a stray debug line on the process's stdout
+    (ERGO-Code/HiGHS#2783); send it to stderr, so that stdout stays clean for the CLI's output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _chain_items(problem: ChainProblem, costs: list[float]) -> tuple[list[tuple[int, int]], list[_Item], int]:
@@ -503,7 +557,6 @@ def _hierarchy_items(problem: HierarchyProblem, costs: list[float]) -> tuple[lis
     children: dict[str | None, list[int]] = {}
     for index, candidate in enumerate(candidates):
         children.setdefault(candidate.parent_path, []).append(index)
-    position = {c.path: index for index, c in enumerate(candidates)}
     leaves = [index for index, c in enumerate(candidates) if c.path not in children]
     leaf_atom = {leaf: atom for atom, leaf in enumerate(leaves)}
 
@@ -512,10 +565,7 @@ def _hierarchy_items(problem: HierarchyProblem, costs: list[float]) -> tuple[lis
             return (leaf_atom[index],)
         return tuple(a for child in children[candidates[index].path] for a in leaves_below(child))
 
-    items = [
-        _Item(c.input_bytes, c.saved_bytes, costs[position[c.path]], leaves_below(position[c.path]))
-        for c in candidates
-    ]
+    items = [_Item(c.input_bytes, c.saved_bytes, costs[i], leaves_below(i)) for i, c in enumerate(candidates)]
     return items, sum(candidates[index].saved_bytes for index in children.get(None, []))
 
 
@@ -608,14 +658,17 @@ def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
     costs = _costs(blocks, objective)
     ends = _run_ends(blocks)
     headroom = problem.budget_bytes - problem.fixed_bytes
-    best: list = [None, None]  # [rank, spans]; fitting selections rank by (cost, peak), the rest by (peak, cost)
+    # fitting selections rank first, by (cost, peak); the others by (peak, cost)
+    best_rank: tuple = (2,)
+    best_spans: tuple = ()
 
     def visit(k: int, mem: int, largest: int, cost: float, spans: tuple) -> None:
+        nonlocal best_rank, best_spans
         if k == n:
             peak = mem + largest
             rank = (0, cost, peak) if peak <= headroom else (1, peak, cost)
-            if best[0] is None or rank < best[0]:
-                best[:] = [rank, spans]
+            if rank < best_rank:
+                best_rank, best_spans = rank, spans
             return
         visit(k + 1, mem + blocks[k].saved_bytes, largest, cost, spans)
         saved, extra = 0, 0.0
@@ -625,7 +678,7 @@ def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
             visit(last + 1, mem + blocks[k].input_bytes, max(largest, saved), cost + extra, (*spans, (k, last)))
 
     visit(0, 0, 0, 0.0, ())
-    return _chain_solution(problem, "brute-force", best[1], started, optimality_gap=0.0)
+    return _chain_solution(problem, "brute-force", best_spans, started, optimality_gap=0.0)
 
 
 SOLVERS: dict[str, Callable[..., Solution]] = {

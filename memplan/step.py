@@ -198,6 +198,8 @@ def convert_module(model: nn.Module, device: torch.device, precision: Precision)
         for name, buf in list(module._buffers.items()):
             if buf is not None:
                 module._buffers[name] = convert(buf, dtype)
+        if isinstance(module, nn.RNNBase):
+            module._init_flat_weights()  # its cached list would keep the old weights alive
     return model
 
 

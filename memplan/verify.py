@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._C._profiler import _EventType
 from torch import nn
 
 from memplan.errors import BadInput, MemplanError
@@ -507,32 +508,44 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
         if gc_was_enabled:
             gc.enable()
         del prepared
-    peaks, overall = _cpu_timeline(profiler.kineto_results.events(), baseline)
+    peaks, overall = _cpu_timeline(profiler.kineto_results, baseline)
     return _result("cpu", "cpu", config, peaks, baseline, overall, tracker, oom_error, plan)
 
 
-def _cpu_timeline(events: list[Any], baseline: int) -> tuple[_Peaks, int]:
+def _cpu_timeline(results: Any, baseline: int) -> tuple[_Peaks, int]:
     """Replay the allocator's events in time order from `baseline`; the peak within each marked
-    (phase, step) segment counts the bytes live when the segment begins."""
-    timeline: list[tuple[int, int, str | None, int]] = []  # (time, order, marker or None, bytes)
-    for order, event in enumerate(events):
-        name = event.name()
-        if name == "[memory]":
-            if event.device_type().name in _CPU_MEMORY_DEVICES:
-                timeline.append((event.start_ns(), order, None, int(event.nbytes())))
-        elif name.startswith(_MARK):
-            timeline.append((event.start_ns(), order, name[len(_MARK) :], 0))
+    (phase, step) segment counts the bytes live when the segment begins.
+
+    Only frees of blocks allocated in this session count: c10's ProfiledCPUMemoryReporter remembers
+    the size of a block allocated while profiling and freed outside it, and would report that stale
+    size against whatever block a later session places at the same address."""
+    timeline: list[tuple[int, int, str | None, int, int]] = []  # (time, order, marker or None, bytes, address)
+    nodes = list(results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        kind, fields = node.typed
+        if kind == _EventType.Allocation:
+            if str(fields.device.type).upper() in _CPU_MEMORY_DEVICES:
+                timeline.append((node.start_time_ns, fields.id, None, int(fields.alloc_size), int(fields.ptr)))
+        elif node.name.startswith(_MARK):
+            timeline.append((node.start_time_ns, -1, node.name[len(_MARK) :], 0, 0))
     timeline.sort(key=lambda item: (item[0], item[1]))
     peaks = _Peaks()
     live = overall = baseline
+    allocated: set[int] = set()
     segment: tuple[str, int] | None = None
-    for _, _, marker, nbytes in timeline:
+    for _, _, marker, nbytes, address in timeline:
         if marker is not None:
             phase, _, step = marker.rpartition("::")
             segment = None if phase == "end" else (phase, int(step))
-        else:
+        elif nbytes > 0:
+            allocated.add(address)
             live += nbytes
             overall = max(overall, live)
+        elif address in allocated:
+            allocated.discard(address)
+            live += nbytes
         if segment is not None:
             peaks.add(segment[0], segment[1], live)
     return peaks, overall

@@ -100,10 +100,10 @@ def _synthetic_trace():
     }
     events = (
         Event("phase", phase="forward", step=0),
-        Event("alloc", 1, 0),
+        Event("alloc", 1, op=0),
         Event("phase", phase="backward", step=0),
-        Event("alloc", 2, 1),
-        Event("free", 1, 1),
+        Event("alloc", 2, op=1),
+        Event("free", 1, op=1),
         Event("phase", phase="end", step=0),
     )
     return Trace(ops, storages, events, (), {}, ())

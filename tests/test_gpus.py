@@ -1,0 +1,100 @@
+"""The GPU registry and the roofline estimate."""
+
+import pytest
+
+from memplan.errors import BadInput
+from memplan.gpus import GPUS, GpuSpec, gpu_spec, peak_flops, roofline_seconds, supports_precision
+from memplan.step import PRECISIONS
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("H100", "H100-80GB"),
+        ("h100", "H100-80GB"),
+        ("a100-80gb", "A100-80GB"),
+        ("A100_40GB", "A100-40GB"),
+        ("rtx4090", "RTX-4090"),
+        ("RTX 3090", "RTX-3090"),
+        ("t4", "T4"),
+        # what torch.cuda.get_device_name() says
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA H100 80GB HBM3", "H100-80GB"),
+        ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+        ("Tesla V100-SXM2-16GB", "V100-16GB"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA H200", "H200"),
+    ],
+)
+def test_lookup_by_name_and_alias(name, expected):
+    assert gpu_spec(name).name == expected
+
+
+def test_every_name_and_alias_finds_its_own_entry():
+    for spec in GPUS.values():
+        for name in (spec.name, *spec.aliases):
+            assert gpu_spec(name) is spec
+
+
+def test_registry_entries_are_sane():
+    for spec in GPUS.values():
+        assert isinstance(spec.capacity_bytes, int) and 14 * 2**30 < spec.capacity_bytes <= 141 * 2**30
+        assert spec.capacity_bytes % 2**20 == 0  # whole MiB, as torch and nvidia-smi report them
+        assert (7, 0) <= spec.compute_capability <= (9, 0)
+        assert spec.fp16_flops > spec.fp32_flops  # tensor cores
+        assert (spec.bf16_flops is None) == (spec.compute_capability < (8, 0))
+    assert GPUS["A100-80GB"].capacity_bytes == 80 * 2**30
+    assert GPUS["H200"].capacity_bytes == 143156 * 2**20
+
+
+def test_unknown_gpu_names_close_matches():
+    with pytest.raises(BadInput, match="A100-40GB or A100-80GB"):
+        gpu_spec("a100")  # ambiguous: both cards are suggested
+    with pytest.raises(BadInput, match="unknown GPU 'banana'; known: V100-16GB"):
+        gpu_spec("banana")
+
+
+def test_roofline_compute_bound():
+    a100 = gpu_spec("a100-80gb")
+    # 624 TFLOP of bf16 matmuls at 312 TFLOP/s = 2 s; moving 2039 GB at 2039 GB/s would take only 1 s
+    assert roofline_seconds(624e12, 2039e9, a100, "amp-bf16") == pytest.approx(2.0)
+    # the same work in fp32: 624e12 / 19.5e12 = 32 s
+    assert roofline_seconds(624e12, 2039e9, a100, "fp32") == pytest.approx(32.0)
+
+
+def test_roofline_bandwidth_bound():
+    h100 = gpu_spec("h100")
+    # 6.7 TB at 3.35 TB/s = 2 s; 67 TFLOP of fp32 would take 1 s
+    assert roofline_seconds(67e12, 6.7e12, h100, "fp32") == pytest.approx(2.0)
+    assert roofline_seconds(0, 0, h100) == 0.0
+
+
+def test_formats_a_card_lacks_run_at_the_fp32_rate():
+    t4 = gpu_spec("t4")
+    assert peak_flops(t4, "tf32") == peak_flops(t4, "fp32") == 8.1e12
+    assert peak_flops(gpu_spec("v100-16gb"), "bf16") == 15.7e12
+    assert peak_flops(t4, "amp-fp16") == 65e12
+    assert peak_flops(gpu_spec("h100"), "tf32") == 494.5e12  # 989 "with sparsity" halved
+
+
+def test_roofline_rejects_negative_work():
+    with pytest.raises(BadInput):
+        roofline_seconds(-1, 0, gpu_spec("l4"))
+
+
+def test_precision_warnings():
+    assert "8.0+" in supports_precision(gpu_spec("v100-16gb"), "amp-bf16")
+    assert "8.0+" in supports_precision(gpu_spec("t4"), "bf16")
+    assert "TF32" in supports_precision(gpu_spec("t4"), "tf32")
+    assert supports_precision(gpu_spec("t4"), "amp-fp16") is None
+    assert supports_precision(gpu_spec("a100-40gb"), "bf16") is None
+    pascal = GpuSpec("P100", 16 * 2**30, (6, 0), 9.3e12, None, 18.7e12, None, 732e9)
+    assert "7.0+" in supports_precision(pascal, "fp16")
+    with pytest.raises(BadInput, match="unknown precision"):
+        supports_precision(gpu_spec("t4"), "fp8")
+
+
+def test_every_memplan_precision_is_understood():
+    for name in PRECISIONS:
+        supports_precision(gpu_spec("a100-80gb"), name)
+        peak_flops(gpu_spec("a100-80gb"), name)
