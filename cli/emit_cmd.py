@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import handles_errors
+from cli.common import JsonOpt, handles_errors, print_json
 
 
 @handles_errors
@@ -15,6 +15,7 @@ def emit_command(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan.json written by `memplan plan`.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="The Python module to write, e.g. ckpt_plan.py.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT if it exists.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Write a module defining apply_checkpointing(model), which needs only PyTorch to run."""
     # Imported here: memplan.emit imports torch, which `memplan --help` should not wait for.
@@ -23,4 +24,7 @@ def emit_command(
 
     plan = load_plan(plan_path)
     write_atomically(output, emit_module(plan), force=force)
-    typer.echo(f"wrote {output}: {len(plan.segments)} checkpointed segments")
+    if as_json:
+        print_json({"command": "emit", "plan": str(plan_path), "output": str(output), "segments": len(plan.segments)})
+    else:
+        typer.echo(f"wrote {output}: {len(plan.segments)} checkpointed segments")

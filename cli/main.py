@@ -14,8 +14,14 @@ from cli.estimate_cmd import estimate_command
 from cli.plan_cmd import max_batch_command, plan_command
 from cli.verify_cmd import verify_command
 
+EXIT_CODES = (
+    "Exit codes: 0 ok, 1 bad input or unsupported model, 2 does not fit, 3 verify error above --tolerance. "
+    "Errors are one line on stderr; MEMPLAN_DEBUG=1 shows the traceback. JSON output: docs/json.md."
+)
+
 app = typer.Typer(
     help="Memory planner for PyTorch training: estimate, plan checkpoints, emit code, verify.",
+    epilog=EXIT_CODES,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -60,7 +66,7 @@ def models_command(as_json: JsonOpt = False) -> None:
             }
         )
     if as_json:
-        print_json({"models": rows})
+        print_json({"command": "models", "models": rows})
     else:
         table = [[r["name"], r["family"], f"{r['parameters']:,}", r["default_batch_size"], r["input"]] for r in rows]
         typer.echo(tabulate(table, headers=["model", "family", "parameters", "default batch", "input"]))

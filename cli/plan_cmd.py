@@ -7,17 +7,50 @@ from typing import Annotated
 import typer
 from tabulate import tabulate
 
-from cli.common import BatchOpt, GradAccumOpt, JsonOpt, ModelArg, SetOpt, handles_errors, print_json
+from cli.common import (
+    BUDGET,
+    MAX_BATCH,
+    OVERHEAD,
+    PEAK,
+    PEAK_PHASE,
+    BatchOpt,
+    GpuOpt,
+    GradAccumOpt,
+    JsonOpt,
+    ModelArg,
+    PlotOpt,
+    QuietOpt,
+    SetOpt,
+    budget_or_gpu,
+    fits_column,
+    format_pct,
+    gpu_json,
+    gpu_line,
+    handles_errors,
+    note,
+    overhead_pct,
+    print_json,
+    progress,
+    resolve_gpu,
+    yes_no,
+)
 from cli.estimate_cmd import DeviceOpt
 from memplan.errors import DoesNotFit
 from memplan.plan import save_plan, write_atomically
 from memplan.planner import alternatives, max_batch, plan_checkpoints
 from memplan.solvers import SOLVERS
 from memplan.step import StepConfig
-from memplan.units import format_bytes, parse_size
+from memplan.units import format_bytes
 from memplan.workload import parse_options, resolve_workload
 
-BudgetOpt = Annotated[str, typer.Option("--budget", help="Memory budget: 24GiB, 80GB (10^9 bytes), 512MiB or bytes.")]
+BudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--budget",
+        help="Memory budget: 24GiB, 80GB (10^9 bytes), 512MiB or bytes. Default with --gpu: its memory less the "
+        "assumed CUDA context.",
+    ),
+]
 PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="Precision mode.")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", "-o", help="Optimizer.")]
 MethodOpt = Annotated[str, typer.Option("--method", help=f"Solver: {', '.join(SOLVERS)}.")]
@@ -26,7 +59,7 @@ MethodOpt = Annotated[str, typer.Option("--method", help=f"Solver: {', '.join(SO
 @handles_errors
 def plan_command(
     model: ModelArg,
-    budget: BudgetOpt,
+    budget: BudgetOpt = None,
     batch_size: BatchOpt = None,
     set_: SetOpt = None,
     precision: PrecisionOpt = "fp32",
@@ -34,36 +67,66 @@ def plan_command(
     grad_accum: GradAccumOpt = 1,
     device: DeviceOpt = "cuda",
     method: MethodOpt = "optimal-dp",
+    gpu: GpuOpt = None,
     out: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
     emit: Annotated[str | None, typer.Option("--emit", help="Write a Python module applying the plan.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --emit file.")] = False,
+    plot: PlotOpt = None,
+    quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Choose the cheapest activation checkpoints that make the training step fit the budget."""
-    budget_bytes = parse_size(budget)
+    """Choose the cheapest activation checkpoints that make the training step fit the budget (or the --gpu)."""
+    from memplan import report
+    from memplan.gpus import roofline_seconds
+
+    card = resolve_gpu(gpu, [precision], device)
+    budget_bytes = budget_or_gpu(budget, card)
     if method not in SOLVERS or method == "brute-force":
         raise typer.BadParameter(f"unknown method {method!r}; expected one of: {', '.join(m for m in SOLVERS if m != 'brute-force')}")
+    if plot:
+        report.check_plot_path(plot)
     workload = resolve_workload(model, batch_size, parse_options(set_ or []))
     config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
-    result = plan_checkpoints(workload, config, budget_bytes, device, method)
+    with progress(f"planning {model}: solving and re-estimating the checkpointed step ...", quiet):
+        result = plan_checkpoints(workload, config, budget_bytes, device, method)
     plan = result.plan
-    others = () if plan.feasible else alternatives(workload, config, budget_bytes, device)
+    others = ()
+    if not plan.feasible:
+        with progress("looking for what would fit instead ...", quiet):
+            others = alternatives(workload, config, budget_bytes, device)
     if out:
         save_plan(plan, out)
     if emit and plan.feasible:
         from memplan.emit import emit_module
 
         write_atomically(emit, emit_module(plan), force=force)
-    overhead = plan.recompute_flops / plan.step_flops if plan.step_flops else 0.0
+    if plot:
+        _plot_before_after(plot, workload, config, device, plan, budget_bytes, card, quiet)
+    overhead = overhead_pct(plan.recompute_flops, plan.step_flops)
+    # A roofline lower bound: recomputation at the card's peak rate for this precision, no memory traffic.
+    recompute_s = roofline_seconds(plan.recompute_flops, 0, card, precision) if card else None
+    usable = report.usable_bytes(card) if card else None
     if as_json:
         print_json({
+            "command": "plan",
+            "model": model,
+            "batch_size": workload.effective_batch_size,
+            "precision": precision,
+            "optimizer": optimizer,
+            "grad_accum": grad_accum,
+            "device": device,
+            "gpu": gpu_json(card),
             "feasible": plan.feasible,
             "budget_bytes": plan.budget_bytes,
             "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_peak_phase": result.planned.peak_phase,
             "unplanned_peak_bytes": plan.unplanned_peak_bytes,
+            "unplanned_peak_phase": result.unplanned.peak_phase,
+            "fits_gpu": None if usable is None else plan.predicted_peak_bytes <= usable,
             "recompute_flops": plan.recompute_flops,
             "step_flops": plan.step_flops,
-            "recompute_overhead_pct": round(100 * overhead, 3),
+            "recompute_overhead_pct": round(overhead, 3),
+            "recompute_seconds": recompute_s,
             "method": plan.method,
             "segments": [{"modules": list(s.modules)} for s in plan.segments],
             "excluded": [{"module": e.path, "reason": e.reason} for e in result.candidates.excluded],
@@ -74,19 +137,30 @@ def plan_command(
             ],
         })
     else:
-        rows = [[", ".join(s.modules)] for s in plan.segments] or [["(none needed)"]]
-        typer.echo(tabulate(rows, headers=["checkpointed segments"]))
+        segments = [[", ".join(s.modules)] for s in plan.segments] or [["(none needed)" if plan.feasible else "(none)"]]
+        typer.echo(tabulate(segments, headers=["checkpointed segments"]))
+        typer.echo()
+        headers = ["", PEAK, PEAK_PHASE, BUDGET, *([fits_column(card)] if card else []), OVERHEAD]
+
+        def row(label: str, peak: int, phase: str, pct: float) -> list[str]:
+            fits = [yes_no(peak <= usable)] if usable is not None else []
+            return [label, format_bytes(peak), phase, format_bytes(budget_bytes), *fits, format_pct(pct)]
+
         typer.echo(tabulate([
-            ["budget", format_bytes(budget_bytes)],
-            ["predicted peak (re-estimated)", format_bytes(plan.predicted_peak_bytes)],
-            ["peak without a plan", format_bytes(plan.unplanned_peak_bytes)],
-            ["memory saved", format_bytes(plan.unplanned_peak_bytes - plan.predicted_peak_bytes)],
-            ["recompute overhead", f"{100 * overhead:.1f}% of step FLOPs"],
-        ], tablefmt="plain"))
+            row("without a plan", plan.unplanned_peak_bytes, result.unplanned.peak_phase, 0.0),
+            row("with the plan", plan.predicted_peak_bytes, result.planned.peak_phase, overhead),
+        ], headers=headers, colalign=("left", *["right"] * (len(headers) - 1))))
+        typer.echo(f"memory saved: {format_bytes(plan.unplanned_peak_bytes - plan.predicted_peak_bytes)}")
+        if card:
+            typer.echo(f"recompute ≈ {1000 * recompute_s:.1f} ms per step on {card.name} "
+                       f"(roofline at its peak {precision} rate: a lower bound)")
+            typer.echo(gpu_line(card))
         for excluded in result.candidates.excluded:
-            typer.echo(f"not a candidate: {excluded.path}: {excluded.reason}", err=True)
+            note(f"not a candidate: {excluded.path}: {excluded.reason}")
         for alt in others:
             typer.echo(f"would fit instead: {alt.description}: peak {format_bytes(alt.peak_bytes)}")
+    if plot:
+        note(f"wrote {plot}")
     if not plan.feasible:
         raise DoesNotFit(
             f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; "
@@ -94,36 +168,69 @@ def plan_command(
         )
 
 
+def _plot_before_after(path, workload, config, device, plan, budget_bytes, card, quiet) -> None:
+    """Both timelines traced again with per-event detail (the planner keeps none), in one figure."""
+    from memplan import report
+    from memplan.emit import apply_plan
+    from memplan.estimate import estimate
+
+    with progress("tracing the step before and after checkpointing for the plot ...", quiet):
+        before = estimate(workload, config, device, with_timeline=True)
+        after = estimate(workload, config, device, transform=lambda m: apply_plan(m, plan), with_timeline=True)
+    segments = f"{len(plan.segments)} checkpointed segment{'s' if len(plan.segments) != 1 else ''}"
+    report.plot_timelines(
+        path,
+        [report.panel("without checkpointing", before), report.panel(f"with the plan ({segments})", after)],
+        f"{workload.spec}, batch {before.batch_size}, {config.precision}, {config.optimizer}: live memory ({device})",
+        budget_bytes=budget_bytes,
+        gpu=card,
+    )
+
+
 @handles_errors
 def max_batch_command(
     model: ModelArg,
-    budget: BudgetOpt,
+    budget: BudgetOpt = None,
     set_: SetOpt = None,
     precision: PrecisionOpt = "fp32",
     optimizer: OptimizerOpt = "adamw",
     grad_accum: GradAccumOpt = 1,
     device: DeviceOpt = "cuda",
+    gpu: GpuOpt = None,
+    quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """The largest batch size that fits the budget, without and with an optimal checkpoint plan."""
-    budget_bytes = parse_size(budget)
+    """The largest batch size that fits the budget (or the --gpu), without and with an optimal checkpoint plan."""
+    card = resolve_gpu(gpu, [precision], device)
+    budget_bytes = budget_or_gpu(budget, card)
     workload = resolve_workload(model, None, parse_options(set_ or []))
     config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
-    result = max_batch(workload, config, budget_bytes, device)
+    with progress(f"searching the largest batch of {model} that fits {format_bytes(budget_bytes)} ...", quiet):
+        result = max_batch(workload, config, budget_bytes, device)
     plan = result.plan_at_max
-    overhead = plan.recompute_flops / plan.step_flops if plan and plan.step_flops else 0.0
+    overhead = overhead_pct(plan.recompute_flops, plan.step_flops) if plan else 0.0
     if as_json:
         print_json({
+            "command": "max-batch",
+            "model": model,
+            "precision": precision,
+            "optimizer": optimizer,
+            "grad_accum": grad_accum,
+            "device": device,
+            "gpu": gpu_json(card),
             "budget_bytes": budget_bytes,
             "max_batch_without_plan": result.without_plan,
             "max_batch_with_plan": result.with_plan,
-            "recompute_overhead_pct": round(100 * overhead, 3),
+            "recompute_overhead_pct": round(overhead, 3),
             "segments": [{"modules": list(s.modules)} for s in plan.segments] if plan else [],
         })
     else:
+        budget_text = format_bytes(budget_bytes)
         typer.echo(tabulate([
-            ["without checkpointing", result.without_plan, "0.0%"],
-            ["with an optimal plan", result.with_plan, f"{100 * overhead:.1f}%"],
-        ], headers=["", "max batch", "recompute overhead"]))
+            ["without checkpointing", result.without_plan, budget_text, format_pct(0.0)],
+            ["with an optimal plan", result.with_plan, budget_text, format_pct(overhead)],
+        ], headers=["", MAX_BATCH, BUDGET, OVERHEAD], colalign=("left", "right", "right", "right")))
+        if card:
+            typer.echo(gpu_line(card))
     if result.with_plan == 0:
         raise DoesNotFit(f"does not fit: not even batch 1 fits in {format_bytes(budget_bytes)}")

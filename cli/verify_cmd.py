@@ -9,7 +9,18 @@ from typing import Annotated, Any
 import typer
 from tabulate import tabulate
 
-from cli.common import BatchOpt, GradAccumOpt, JsonOpt, ModelArg, SetOpt, handles_errors, print_json
+from cli.common import (
+    BatchOpt,
+    GradAccumOpt,
+    JsonOpt,
+    ModelArg,
+    QuietOpt,
+    SetOpt,
+    handles_errors,
+    note,
+    print_json,
+    progress,
+)
 from memplan.errors import BadInput, DoesNotFit, ToleranceExceeded
 from memplan.plan import load_plan
 from memplan.step import OPTIMIZERS, PRECISIONS, StepConfig
@@ -57,10 +68,6 @@ SnapshotOpt = Annotated[
 NoPredictOpt = Annotated[bool, typer.Option("--no-predict", help="Measure only; do not run the estimator.")]
 
 
-def _note(message: str) -> None:
-    typer.echo(f"memplan: {message}", err=True)
-
-
 @handles_errors
 def verify_command(
     model: ModelArg,
@@ -75,6 +82,7 @@ def verify_command(
     tolerance: ToleranceOpt = None,
     snapshot: SnapshotOpt = None,
     no_predict: NoPredictOpt = False,
+    quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Run the training step for real and measure its peak memory, per phase, beside the prediction."""
@@ -90,21 +98,23 @@ def verify_command(
     if plan is not None:
         loaded = load_plan(plan)
         check_plan(loaded, workload)
-        for note in plan_mismatches(loaded, workload, config):
-            _note(f"note: {note}")
+        for mismatch in plan_mismatches(loaded, workload, config):
+            note(f"note: {mismatch}")
     if tolerance is not None and importlib.util.find_spec("memplan.estimate") is None and loaded is None:
         raise BadInput("--tolerance needs a prediction, but this build has no estimator (memplan.estimate)")
 
-    measurement = measure(workload, config, device, loaded, snapshot=snapshot)
+    with progress(f"running {config.steps} real steps of {model} on {device} ...", quiet):
+        measurement = measure(workload, config, device, loaded, snapshot=snapshot)
 
     prediction = None
     if not no_predict:
         try:
-            prediction = predict(workload, config, device, loaded)
+            with progress(f"tracing {model} for the prediction ...", quiet):
+                prediction = predict(workload, config, device, loaded)
         except PredictionUnavailable as error:
             if tolerance is not None:
                 raise BadInput(f"--tolerance needs a prediction: {error}") from None
-            _note(f"no prediction: {error}")
+            note(f"no prediction: {error}")
     comparison = compare(measurement, prediction)
 
     if as_json:
@@ -140,6 +150,7 @@ def _payload(
     comparison: Comparison,
 ) -> dict[str, Any]:
     return {
+        "command": "verify",
         "model": workload.spec,
         "batch_size": workload.effective_batch_size,
         "options": dict(workload.options),

@@ -2,7 +2,7 @@
 
 On the CPU, `scaled_dot_product_attention` with dropout falls back to the math path, which
 materialises the attention matrix; on a CUDA GPU the fused kernels handle dropout and never do.
-So when tracing for CUDA, a function mode sends SDPA to the kernel CUDA would pick (torch's
+So when tracing for CUDA, SDPA goes to the kernel CUDA would pick (torch's
 sdp_utils priority: flash attention, then memory-efficient attention, then math): flash for
 fp16/bf16 without an explicit mask and head dim <= 256, memory-efficient otherwise (fp32, masks).
 Both have meta kernels, so they run under fake tensors with their real saved tensors (output and
@@ -11,11 +11,11 @@ log-sum-exp, not the attention matrix).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -38,8 +38,17 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         )[0]
 
 
-class CudaAttention(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is F.scaled_dot_product_attention:
-            return _cuda_sdpa(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+@contextlib.contextmanager
+def cuda_attention() -> Iterator[None]:
+    """Route `torch.nn.functional.scaled_dot_product_attention` to CUDA's kernel choice while tracing.
+
+    The function is swapped on the module rather than intercepted by a TorchFunctionMode: a mode is
+    switched off while its own handler runs, and `Tensor.backward` passes through that handler, so
+    the recomputation of checkpointed segments in backward would miss it. Code that bound the
+    function to another name before tracing keeps the CPU's choice."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _cuda_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

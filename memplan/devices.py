@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
-from memplan.cuda_attention import CudaAttention
+from memplan.cuda_attention import cuda_attention
 from memplan.errors import BadInput
 from memplan.scratch import rnn_workspace_bytes, scratch_of
 from memplan.step import StepConfig, optimizer_rule
@@ -105,7 +105,7 @@ class DeviceModel:
     workspace_ops: frozenset[str] = frozenset()
     foreach_optimizers: bool = False  # torch's optimizer default: foreach on CUDA, for-loop on the CPU
     autocast_lists: str | None = None  # "cuda": emulate CUDA's autocast op lists on fake CPU tensors
-    function_mode: Callable[[], Any] | None = None  # device kernel choices made at the Python level
+    function_mode: Callable[[], Any] | None = None  # a context for device kernel choices made in Python
     # allocator(baseline storage id -> bytes): the allocator model, with the baseline already live
     allocator: Callable[[dict[int, int]], Any] = ExactAllocator.from_live
 
@@ -138,7 +138,7 @@ def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY)
         foreach_optimizers=True,
         autocast_lists="cuda",
         allocator=CudaCachingAllocator.from_live,
-        function_mode=CudaAttention,
+        function_mode=cuda_attention,
     )
 
 

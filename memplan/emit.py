@@ -61,14 +61,25 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), (_Checkpointed, _RunMember))
 
 
-def _checkpoint(function, saved_ops, args, kwargs):
+def _checkpoint(function, saved_ops, args, kwargs, modules):
     # Keyword arguments travel as positional ones: checkpoint looks only at positional tensors to
     # find the device whose RNG state it preserves, and a model's keyword could clash with its own.
     names = tuple(kwargs)
+    calls = 0
 
     def call(*flat):
+        nonlocal calls
         positional = len(flat) - len(names)
-        return function(*flat[:positional], **dict(zip(names, flat[positional:])))
+        recomputing, calls = calls > 0, calls + 1
+        # Forward may change the segment's buffers (BatchNorm's running statistics): put them
+        # back after recomputing, so that the state changes once per step, as without checkpoints.
+        state = [(b, b.clone()) for m in modules for b in m.buffers()] if recomputing else []
+        try:
+            return function(*flat[:positional], **dict(zip(names, flat[positional:])))
+        finally:
+            with torch.no_grad():
+                for buffer, value in state:
+                    buffer.copy_(value)
 
     options = {}
     if saved_ops is not None:
@@ -87,7 +98,13 @@ class _Checkpointed:
         self.saved_ops = saved_ops
 
     def __call__(self, *args, **kwargs):
-        return _checkpoint(self.forward, self.saved_ops, args, kwargs)
+        return _checkpoint(self.forward, self.saved_ops, args, kwargs, _owner(self.forward))
+
+
+def _owner(forward):
+    """The module whose forward this is (none for a plain function)."""
+    owner = getattr(forward, "__self__", None)
+    return [owner] if isinstance(owner, nn.Module) else []
 
 
 class _Run:
@@ -104,7 +121,7 @@ class _Run:
         if not args:
             raise RuntimeError("a checkpointed run's first module needs a positional input")
         self.waiting = None
-        output = _checkpoint(self._compute, self.saved_ops, args, kwargs)
+        output = _checkpoint(self._compute, self.saved_ops, args, kwargs, self.modules)
         self.waiting = (1, output, args[1:], kwargs)
         return output
 
@@ -159,7 +176,7 @@ class _RunMember:
 # fmt: on
 # --- end of runtime --------------------------------------------------------------------------------
 
-_RUNTIME = (checkpoint_segment, is_checkpointed, _checkpoint, _Checkpointed, _Run, _RunMember)
+_RUNTIME = (checkpoint_segment, is_checkpointed, _checkpoint, _Checkpointed, _owner, _Run, _RunMember)
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
@@ -256,7 +273,6 @@ def emit_module(plan: Plan) -> str:
     for segment in plan.segments:
         _check_paths(segment)
         _saved_ops(segment)
-    selective = any(segment.policy == "selective" and segment.saved_ops for segment in plan.segments)
     entries = [_format_literal(_segment_literal(segment), 4, ",") for segment in plan.segments]
     segments = "SEGMENTS = [\n" + "".join(entries) + "]\n" if entries else "SEGMENTS = []\n"
     runtime = "\n\n".join(inspect.getsource(part) for part in _RUNTIME)
@@ -267,7 +283,7 @@ def emit_module(plan: Plan) -> str:
         + "parameter names and state_dict keys stay the same.\n"
         + '"""\n\n'
         + "import functools\n\n"
-        + ("import torch\n" if selective else "")
+        + "import torch\n"
         + "from torch import nn\n"
         + "from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts\n\n"
         + "# (module paths, ops to keep): one path is a module, several are a run of consecutive\n"

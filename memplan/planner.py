@@ -19,12 +19,10 @@ from memplan.devices import device_model
 from memplan.plan import Plan, Segment
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution
 from memplan.step import StepConfig
-from memplan.trace import Trace
+from memplan.trace import ModuleCall, Trace
 from memplan.workload import Workload
 
 CONTAINERS = ("ModuleList", "Sequential")
-# Recomputing these in backward would change the model's state a second time.
-STATEFUL_IN_FORWARD = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm")
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 4
 BASELINES = ("every-block", "sqrt-n", "uniform-k")
@@ -43,8 +41,8 @@ class Candidates:
 
 
 def candidate_blocks(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) -> Candidates:
-    """The chain of blocks to choose from: the outermost children of nn.Sequential / nn.ModuleList
-    containers (blocks called in a loop), in forward order; else the model's direct children.
+    """The chain of blocks to choose from, in forward order: the outermost children of nn.Sequential /
+    nn.ModuleList containers (blocks called in a loop), and the model's direct children that hold none.
     Cost-model numbers come from the first forward of the trace."""
     first_forward = [c for c in trace.calls if c.phase == "forward" and c.step == 0]
     calls_per_path: dict[str, int] = {}
@@ -52,7 +50,7 @@ def candidate_blocks(trace: Trace, block_bytes: Callable[[int], int] = lambda n:
         calls_per_path[call.path] = calls_per_path.get(call.path, 0) + 1
     seen: set[str] = set()
     first_calls = []
-    for call in sorted(first_forward, key=lambda c: c.first_op):
+    for call in sorted(first_forward, key=lambda c: (c.first_op, -c.end_op)):  # enclosing calls first
         if call.path not in seen:
             seen.add(call.path)
             first_calls.append(call)
@@ -60,25 +58,28 @@ def candidate_blocks(trace: Trace, block_bytes: Callable[[int], int] = lambda n:
     def parent(path: str) -> str:
         return path.rpartition(".")[0]
 
-    chosen = [c for c in first_calls if c.path and trace.module_types.get(parent(c.path)) in CONTAINERS]
-    if not chosen:
-        chosen = [c for c in first_calls if c.path and "." not in c.path]
+    in_containers = [c for c in first_calls if c.path and trace.module_types.get(parent(c.path)) in CONTAINERS]
+    # the model's own children complete the chain where they hold no container block (a CNN's stem)
+    top_level = [
+        c for c in first_calls
+        if c.path and "." not in c.path and not any(b.path.startswith(c.path + ".") for b in in_containers)
+    ]
+    chosen = sorted(in_containers + top_level, key=lambda c: (c.first_op, -c.end_op))
     outermost = []
     for call in chosen:  # sorted by first op: an enclosing block comes before what it contains
         if not any(call.path.startswith(kept.path + ".") for kept in outermost):
             outermost.append(call)
 
     approximate_ops = set(trace.approximate_ops)
+    forward_end = max((c.end_op for c in first_forward), default=0)
     blocks, excluded = [], []
     for call in outermost:
-        inside = [p for p in trace.module_types if p == call.path or p.startswith(call.path + ".")]
-        stateful = [p for p in inside if trace.module_types[p] in STATEFUL_IN_FORWARD]
         ops = trace.ops[call.first_op : call.end_op]
-        if stateful:
-            excluded.append(Excluded(call.path, f"{stateful[0]} updates running statistics in forward; recomputing it would update them twice"))
-            continue
         if calls_per_path[call.path] > _forward_passes(trace):
             excluded.append(Excluded(call.path, "called more than once per forward"))
+            continue
+        if _mutated_after(trace, call, forward_end):
+            excluded.append(Excluded(call.path, "its input or output is modified in place later in forward"))
             continue
         if any(op.name in approximate_ops for op in ops):
             excluded.append(Excluded(call.path, "has outputs with data-dependent shapes"))
@@ -97,6 +98,18 @@ def candidate_blocks(trace: Trace, block_bytes: Callable[[int], int] = lambda n:
         group = parent(call.path) if trace.module_types.get(parent(call.path)) in CONTAINERS else ""
         blocks.append(Block(call.path, inputs, saved, sum(op.flops for op in ops), group=group))
     return Candidates(tuple(blocks), tuple(excluded))
+
+
+def _mutated_after(trace: Trace, call: ModuleCall, forward_end: int) -> bool:
+    """A checkpoint keeps its input to recompute from, and autograd checks its output's version:
+    an in-place write to either, inside the block or after it, breaks the recomputation."""
+    def watched(storages: tuple[int, ...]) -> set[int]:
+        return {sid for sid in storages if trace.storages[sid].role not in ("weights", "inputs")}
+
+    inputs, outputs = watched(call.inputs), watched(call.outputs) - set(call.inputs)
+    return any(inputs.intersection(op.writes) for op in trace.ops[call.first_op : forward_end]) or any(
+        outputs.intersection(op.writes) for op in trace.ops[call.end_op : forward_end]
+    )
 
 
 def _forward_passes(trace: Trace) -> int:

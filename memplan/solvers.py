@@ -248,7 +248,9 @@ class _Chain:
         self.segments = [
             [
                 _Span(first + length, saved, cost, index[saved])
-                for length, (saved, cost) in enumerate(zip(sums[first], itertools.accumulate(costs[first:])))
+                for length, (saved, cost) in enumerate(
+                    zip(sums[first], itertools.accumulate(costs[first : ends[first] + 1]))
+                )
             ]
             for first in range(len(costs))
         ]

@@ -52,6 +52,7 @@ class Op:
     module: str  # innermost module path running it ("" for the top level)
     flops: int
     reads: tuple[int, ...]  # storage ids of its tensor inputs
+    writes: tuple[int, ...]  # storage ids its schema says it mutates in place (add_, relu_, copy_, ...)
     allocates: tuple[int, ...]  # storage ids it creates
     scratch_bytes: int  # kernel-internal scratch, allocated and freed inside the op (device rule)
 
@@ -125,7 +126,7 @@ class TraceRules:
     autocast: Callable[[str, torch.dtype], contextlib.AbstractContextManager] | None = None
     # corrects an op's fake outputs where its fake kernel allocates differently from the real one
     fix_outputs: Callable[[Any, tuple, dict, Any], Any] = lambda func, args, kwargs, out: out
-    # a function mode standing in for device-specific kernel choices (e.g. CUDA's fused attention)
+    # a context standing in for device-specific kernel choices (e.g. CUDA's fused attention)
     function_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
@@ -191,6 +192,11 @@ class _Recorder(TorchDispatchMode):
         index = len(self.ops)
         read_storages = {t.untyped_storage() for t in inputs}
         reads = tuple(self.ids[s] for s in read_storages if s in self.ids)
+        writes = tuple(
+            self.ids[t.untyped_storage()]
+            for t in _written_arguments(func, args, kwargs)
+            if t.untyped_storage() in self.ids
+        )
         allocates = []
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
@@ -213,6 +219,7 @@ class _Recorder(TorchDispatchMode):
                 module=self.module_stack[-1],
                 flops=flops,
                 reads=reads,
+                writes=writes,
                 allocates=tuple(allocates),
                 scratch_bytes=scratch,
             )
@@ -232,6 +239,17 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.aten.nonzero.default:
             return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
         return torch.empty((x.numel(),), dtype=x.dtype, device=x.device)
+
+
+def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op mutates, from its schema's alias annotations (Tensor(a!))."""
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
 
 
 @contextlib.contextmanager

@@ -90,8 +90,8 @@ def test_cublas_workspace_sizes_follow_torch_defaults():
 def _synthetic_trace():
     """A weight (1000 B), then a forward matmul output (100 B), then a backward matmul output (3000 B)."""
     ops = (
-        Op(0, "aten.mm.default", "forward", 0, "", 0, (0,), (1,), 0),
-        Op(1, "aten.mm.default", "backward", 0, "", 0, (0, 1), (2,), 0),
+        Op(0, "aten.mm.default", "forward", 0, "", 0, (0,), (), (1,), 0),
+        Op(1, "aten.mm.default", "backward", 0, "", 0, (0, 1), (), (2,), 0),
     )
     storages = {
         0: Storage(0, 1000, "weights", None, ""),

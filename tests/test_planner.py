@@ -53,19 +53,47 @@ def test_no_plan_needed_when_it_already_fits(gpt_unplanned):
     assert plan.feasible and plan.segments == () and plan.recompute_flops == 0
 
 
-def test_batchnorm_blocks_are_excluded_with_a_reason():
-    workload = resolve_workload("resnet18", 2, TINY_OVERRIDES["resnet18"])
+def test_cnn_plans_fit_with_exact_gradients_and_batchnorm_state():
+    import torch
+
+    from memplan.emit import apply_plan
+    from models import ZOO
+
+    options = {**TINY_OVERRIDES["resnet18"], "image_size": 64}
+    workload = resolve_workload("resnet18", 8, options)
     _, trace = estimate_and_trace(workload, CONFIG, device="cpu")
     candidates = candidate_blocks(trace)
-    assert candidates.excluded and "running statistics" in candidates.excluded[0].reason
-    assert not candidates.blocks
+    paths = [b.path for b in candidates.blocks]
+    assert paths[:2] == ["conv1", "maxpool"] and "stages.0" in paths and "fc" in paths
+    # bn1's output is modified in place by the in-place ReLU after it: recomputing bn1 would fail
+    assert {e.path: e.reason for e in candidates.excluded}["bn1"].endswith("modified in place later in forward")
+    unplanned = estimate(workload, CONFIG, device="cpu")
+    budget = int(unplanned.peak_bytes - 0.1 * unplanned.breakdown.activations)  # weights dominate at this size
+    plan = plan_checkpoints(workload, CONFIG, budget, device="cpu").plan
+    assert plan.feasible and plan.segments
+    assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes <= budget
+    # same gradients, and recomputation does not update BatchNorm's running statistics twice
+    models = []
+    for planned in (False, True):
+        torch.manual_seed(0)
+        model, (images,) = ZOO["resnet18"].build(2, **options)
+        if planned:
+            apply_plan(model, plan)
+        model(images).float().mean().backward()
+        models.append(model)
+    for (name, plain), (_, checkpointed) in zip(models[0].named_buffers(), models[1].named_buffers()):
+        assert torch.equal(plain, checkpointed), name
+    for (name, plain), (_, checkpointed) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(plain.grad, checkpointed.grad), name
 
 
 def test_chain_candidates_are_the_transformer_blocks():
     _, trace = estimate_and_trace(_gpt(4), CONFIG, device="cpu")
-    blocks = candidate_blocks(trace).blocks
+    blocks = [b for b in candidate_blocks(trace).blocks if b.group == "h"]
     assert [b.path for b in blocks] == ["h.0", "h.1", "h.2", "h.3"]
-    assert all(b.saved_bytes > b.input_bytes > 0 and b.flops > 0 and b.group == "h" for b in blocks)
+    assert all(b.saved_bytes > b.input_bytes > 0 and b.flops > 0 for b in blocks)
+    # the model's own children complete the chain, in forward order
+    assert [b.path for b in candidate_blocks(trace).blocks][:2] == ["wte", "wpe"]
 
 
 def test_infeasible_budget_exits_2_with_smallest_peak_and_alternatives():
@@ -104,3 +132,13 @@ def test_max_batch_is_the_largest_that_fits():
     over = resolve_workload("mlp", result.without_plan + 1, TINY_OVERRIDES["mlp"])
     assert estimate(over, CONFIG, device="cpu").peak_bytes > budget
     assert result.with_plan >= result.without_plan
+
+
+def test_cuda_plans_recompute_with_the_same_attention_kernel():
+    # the recomputation in backward must see the same (fused CUDA) attention as the forward did
+    workload = _gpt(4)
+    config = StepConfig(precision="amp-bf16", optimizer="sgd", steps=2)
+    unplanned = estimate(workload, config, device="cuda")
+    budget = int(unplanned.peak_bytes - 0.3 * unplanned.breakdown.activations)
+    plan = plan_checkpoints(workload, config, budget, device="cuda").plan
+    assert plan.segments and plan.predicted_peak_bytes <= budget
