@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tabulate import tabulate  # noqa: E402
+from tabulate import tabulate
 
-from memplan.estimate import estimate  # noqa: E402
-from memplan.step import StepConfig  # noqa: E402
-from memplan.verify import measure  # noqa: E402
-from memplan.workload import resolve_workload  # noqa: E402
-from models import TINY_OVERRIDES, ZOO  # noqa: E402
+from memplan.estimate import estimate
+from memplan.step import StepConfig
+from memplan.verify import measure
+from memplan.workload import resolve_workload
+from models import TINY_OVERRIDES, ZOO
 
 FAMILIES = ("gpt2", "bert-base", "llama2-7b", "llama3-8b", "resnet18", "vit-b16", "mlp", "unet", "lstm")
 

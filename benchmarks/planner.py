@@ -16,14 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tabulate import tabulate  # noqa: E402
+from tabulate import tabulate
 
-from memplan.estimate import estimate  # noqa: E402
-from memplan.planner import plan_checkpoints  # noqa: E402
-from memplan.step import StepConfig  # noqa: E402
-from memplan.verify import measure  # noqa: E402
-from memplan.workload import resolve_workload  # noqa: E402
-from models import TINY_OVERRIDES  # noqa: E402
+from memplan.estimate import estimate
+from memplan.planner import plan_checkpoints
+from memplan.step import StepConfig
+from memplan.verify import measure
+from memplan.workload import resolve_workload
+from models import TINY_OVERRIDES
 
 MODELS = ("gpt2", "bert-base", "llama2-7b", "vit-b16", "mlp", "lstm", "resnet18", "unet")
 BASELINES = ("every-block", "sqrt-n", "uniform-k")

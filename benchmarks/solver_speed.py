@@ -19,7 +19,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memplan.solvers import Block, ChainProblem, solve_chain_dp, solve_milp  # noqa: E402
+from memplan.solvers import Block, ChainProblem, solve_chain_dp, solve_milp
 
 MiB = 2**20
 FIXED = 10 * 2**30

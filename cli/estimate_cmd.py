@@ -77,7 +77,9 @@ def estimate_command(
     for index, config in enumerate(configs):
         with progress(f"tracing {model} ({config.precision}, {config.optimizer}) ...", quiet):
             # Only the plotted (first) row needs the per-event timeline.
-            results.append(estimate(workload, config, device=device, with_timeline=bool(plot) and index == 0))
+            results.append(
+                estimate(workload, config, device=device, with_timeline=bool(plot) and index == 0, gpu=card and card.name)
+            )
     usable = report.usable_bytes(card) if card else None
     if plot:
         first = results[0]

@@ -88,12 +88,12 @@ def plan_command(
     workload = resolve_workload(model, batch_size, parse_options(set_ or []))
     config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
     with progress(f"planning {model}: solving and re-estimating the checkpointed step ...", quiet):
-        result = plan_checkpoints(workload, config, budget_bytes, device, method)
+        result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name)
     plan = result.plan
     others = ()
     if not plan.feasible:
         with progress("looking for what would fit instead ...", quiet):
-            others = alternatives(workload, config, budget_bytes, device)
+            others = alternatives(workload, config, budget_bytes, device, gpu=card and card.name)
     if out:
         save_plan(plan, out)
     if emit and plan.feasible:
@@ -175,8 +175,10 @@ def _plot_before_after(path, workload, config, device, plan, budget_bytes, card,
     from memplan.estimate import estimate
 
     with progress("tracing the step before and after checkpointing for the plot ...", quiet):
-        before = estimate(workload, config, device, with_timeline=True)
-        after = estimate(workload, config, device, transform=lambda m: apply_plan(m, plan), with_timeline=True)
+        before = estimate(workload, config, device, with_timeline=True, gpu=card and card.name)
+        after = estimate(
+            workload, config, device, transform=lambda m: apply_plan(m, plan), with_timeline=True, gpu=card and card.name
+        )
     segments = f"{len(plan.segments)} checkpointed segment{'s' if len(plan.segments) != 1 else ''}"
     report.plot_timelines(
         path,
@@ -206,7 +208,7 @@ def max_batch_command(
     workload = resolve_workload(model, None, parse_options(set_ or []))
     config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
     with progress(f"searching the largest batch of {model} that fits {format_bytes(budget_bytes)} ...", quiet):
-        result = max_batch(workload, config, budget_bytes, device)
+        result = max_batch(workload, config, budget_bytes, device, gpu=card and card.name)
     plan = result.plan_at_max
     overhead = overhead_pct(plan.recompute_flops, plan.step_flops) if plan else 0.0
     if as_json:

@@ -148,7 +148,14 @@ DEVICES: dict[str, Callable[[], DeviceModel]] = {
 }
 
 
-def device_model(name: str) -> DeviceModel:
+def device_model(name: str, gpu: str | None = None) -> DeviceModel:
+    """The rules of device `name`; for CUDA, `gpu` (a memplan.gpus name) sets the compute capability."""
     if name not in DEVICES:
         raise BadInput(f"unknown device {name!r}; expected one of: {', '.join(DEVICES)}")
+    if gpu is not None:
+        if name != "cuda":
+            raise BadInput(f"--gpu describes a CUDA GPU; it cannot be used with --device {name}")
+        from memplan.gpus import gpu_spec
+
+        return cuda_model(gpu_spec(gpu).compute_capability)
     return DEVICES[name]()

@@ -18,8 +18,8 @@ from memplan.step import PHASES, StepConfig
 from memplan.trace import ROLES, Trace, trace_step
 from memplan.workload import Workload
 
-
 TRACED_STEPS = 2
+JSON_TOP_MODULES = 10
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Simulation:
     first_step_peak_bytes: int
     later_steps_peak_bytes: int | None
     reserved_bytes: int | None
-    top_modules: tuple[tuple[str, int], ...]  # (module path, activation bytes live at the peak)
+    top_modules: tuple[tuple[str, int], ...]  # (module path, activation bytes live at the peak), largest first
     timeline: Timeline | None = None
 
 
@@ -94,7 +94,7 @@ class Estimate:
             "first_step_peak_bytes": self.first_step_peak_bytes,
             "later_steps_peak_bytes": self.later_steps_peak_bytes,
             "step_flops": self.step_flops,
-            "top_modules": [{"module": m, "activation_bytes": b} for m, b in self.top_modules],
+            "top_modules": [{"module": m, "activation_bytes": b} for m, b in self.top_modules[:JSON_TOP_MODULES]],
             "approximate": self.approximate,
             "approximate_ops": list(self.approximate_ops),
         }
@@ -138,9 +138,14 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
             if by_role is not None and event.storage in size:
                 by_role[trace.storages[event.storage].role] -= size[event.storage]
         elif event.kind == "scratch":
-            allocator.alloc("scratch", device.block_bytes(event.nbytes))
+            scratch = device.block_bytes(event.nbytes)
+            allocator.alloc("scratch", scratch)
             record(index)
             allocator.free("scratch")
+            if by_role is not None:  # the moment the scratch is live, so that plots show its spike
+                timeline_live.append(dict(by_role, temporaries=by_role["temporaries"] + scratch,
+                                          workspace=device.workspace_bytes * len(workspaces)))
+                timeline_phases.append((phase, step))
         record(index)
         if by_role is not None:
             timeline_live.append(dict(by_role, workspace=device.workspace_bytes * len(workspaces)))
@@ -191,7 +196,7 @@ def _at_event(trace: Trace, size: dict[int, int], stop: int, peak: int) -> tuple
     for sid in live:
         if trace.storages[sid].role == "activations":
             modules[trace.storages[sid].module] += size[sid]
-    top = tuple(sorted(modules.items(), key=lambda item: -item[1])[:5])
+    top = tuple(sorted(modules.items(), key=lambda item: -item[1]))
     return Breakdown(**counts), top
 
 
@@ -201,10 +206,12 @@ def estimate(
     device: str = "cuda",
     transform: Callable[[nn.Module], nn.Module] | None = None,
     with_timeline: bool = False,
+    gpu: str | None = None,
 ) -> Estimate:
     """Trace the step under fake tensors and predict its memory on `device` ("cuda" or "cpu").
-    `transform` changes the built model first (e.g. applies a checkpoint plan)."""
-    return estimate_and_trace(workload, config, device, transform, with_timeline)[0]
+    `transform` changes the built model first (e.g. applies a checkpoint plan); `gpu` names the
+    CUDA GPU (memplan.gpus), whose compute capability sets library workspaces."""
+    return estimate_and_trace(workload, config, device, transform, with_timeline, gpu)[0]
 
 
 def estimate_and_trace(
@@ -213,9 +220,10 @@ def estimate_and_trace(
     device: str = "cuda",
     transform: Callable[[nn.Module], nn.Module] | None = None,
     with_timeline: bool = False,
+    gpu: str | None = None,
 ) -> tuple[Estimate, Trace]:
     """`estimate`, and the trace it was made from (for the planner)."""
-    model = device_model(device)
+    model = device_model(device, gpu)
     # Steps after the second repeat it exactly (same allocations, same order): tracing two is enough.
     traced = replace(config, steps=min(config.steps, TRACED_STEPS))
     trace = trace_step(workload, traced, model.trace_rules(config), transform=transform)

@@ -25,7 +25,7 @@ class AdamW8bitLayout(torch.optim.Optimizer):
         self.qmaps: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
+    def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -34,7 +34,6 @@ class AdamW8bitLayout(torch.optim.Optimizer):
                 if not state:
                     self._init_state(p, state)
                 state["step"] += 1
-        return None
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0

@@ -89,7 +89,7 @@ def load_plan(path: str | Path) -> Plan:
     return Plan.from_json(data)
 
 
-def write_atomically(path: str | Path, text: str, force: bool = True) -> None:
+def write_atomically(path: str | Path, text: str | bytes, force: bool = True) -> None:
     """Write to a temporary file beside `path`, then rename: never a half-written file."""
     path = Path(path)
     if path.exists() and not force:
@@ -99,12 +99,19 @@ def write_atomically(path: str | Path, text: str, force: bool = True) -> None:
         raise BadInput(f"directory not found: {directory}")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as handle:
             handle.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

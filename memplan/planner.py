@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.errors import DoesNotFit
 from memplan.estimate import Estimate, estimate, estimate_and_trace
-from memplan.devices import device_model
 from memplan.plan import Plan, Segment
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution
 from memplan.step import StepConfig
@@ -133,11 +133,12 @@ def plan_checkpoints(
     budget_bytes: int,
     device: str = "cuda",
     method: str = "optimal-dp",
+    gpu: str | None = None,
 ) -> PlanResult:
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
     The result's plan has feasible=False, with the smallest peak reached, when none fits."""
-    unplanned, trace = estimate_and_trace(workload, config, device)
-    candidates = candidate_blocks(trace, device_model(device).block_bytes)
+    unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
+    candidates = candidate_blocks(trace, device_model(device, gpu).block_bytes)
     fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in candidates.blocks))
     solver_budget = budget_bytes
     best: tuple[Plan, Estimate, Solution] | None = None
@@ -149,7 +150,7 @@ def plan_checkpoints(
         if solution.segments in realised:
             excess_scale *= 2  # the same choice again: tighten harder
         else:
-            realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned)
+            realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
         plan, planned = realised[solution.segments]
         if best is None or plan.feasible or planned.peak_bytes < best[1].peak_bytes:
             best = (plan, planned, solution)
@@ -166,7 +167,7 @@ def plan_checkpoints(
             middle = (loose + tight) // 2
             solution = _solve(method, ChainProblem(candidates.blocks, fixed, max(0, middle)))
             if solution.segments not in realised:
-                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned)
+                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
             plan, planned = realised[solution.segments]
             if plan.feasible:
                 tight = middle
@@ -180,7 +181,7 @@ def plan_checkpoints(
         for baseline in BASELINES:
             solution = _solve(baseline, ChainProblem(candidates.blocks, fixed, budget_bytes))
             if solution.segments not in realised:
-                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned)
+                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
             plan, planned = realised[solution.segments]
             if plan.feasible and (not best[0].feasible or plan.recompute_flops < best[0].recompute_flops):
                 best = (replace(plan, method=f"optimal-dp (via {baseline})"), planned, solution)
@@ -201,6 +202,7 @@ def _realise(
     solution: Solution,
     budget_bytes: int,
     unplanned: Estimate,
+    gpu: str | None,
 ) -> tuple[Plan, Estimate]:
     """The solver's segments as a Plan, with the peak and FLOPs the estimator gives the checkpointed model."""
     draft = Plan(
@@ -220,7 +222,11 @@ def _realise(
         step_flops=unplanned.step_flops,
         options=dict(workload.options),
     )
-    planned = estimate(workload, config, device, transform=lambda model: apply_plan(model, draft)) if draft.segments else unplanned
+    planned = (
+        estimate(workload, config, device, transform=lambda model: apply_plan(model, draft), gpu=gpu)
+        if draft.segments
+        else unplanned
+    )
     plan = replace(
         draft,
         feasible=planned.peak_bytes <= budget_bytes,
@@ -252,7 +258,9 @@ LOWER_PRECISIONS = {"fp32": "amp-bf16", "tf32": "amp-bf16", "amp-fp16": "fp16-ma
 LIGHTER_OPTIMIZERS = {"adam": "adamw-8bit", "adamw": "adamw-8bit", "adamw-8bit": "adafactor", "rmsprop": "sgd-momentum", "adagrad": "sgd-momentum", "sgd-momentum": "sgd"}
 
 
-def alternatives(workload: Workload, config: StepConfig, budget_bytes: int, device: str) -> tuple[Alternative, ...]:
+def alternatives(
+    workload: Workload, config: StepConfig, budget_bytes: int, device: str, gpu: str | None = None
+) -> tuple[Alternative, ...]:
     """What would fit instead: a smaller micro-batch with gradient accumulation giving the same
     effective batch, a lower precision, a lighter optimizer — each re-estimated."""
     found = []
@@ -261,7 +269,7 @@ def alternatives(workload: Workload, config: StepConfig, budget_bytes: int, devi
         for divisor in (d for d in range(2, batch + 1) if batch % d == 0):
             smaller = replace(workload, batch_size=batch // divisor)
             accum = replace(config, grad_accum=config.grad_accum * divisor)
-            peak = estimate(smaller, accum, device).peak_bytes
+            peak = estimate(smaller, accum, device, gpu=gpu).peak_bytes
             if peak <= budget_bytes:
                 found.append(Alternative(
                     f"micro-batch {batch // divisor} x grad-accum {accum.grad_accum} (same effective batch)",
@@ -273,7 +281,7 @@ def alternatives(workload: Workload, config: StepConfig, budget_bytes: int, devi
     ):
         if changed is None:
             continue
-        peak = estimate(workload, changed, device).peak_bytes
+        peak = estimate(workload, changed, device, gpu=gpu).peak_bytes
         if peak <= budget_bytes:
             what = changed.precision if description == "precision" else changed.optimizer
             found.append(Alternative(f"{description} {what}", batch, changed.grad_accum, changed.precision, changed.optimizer, peak))
@@ -287,15 +295,22 @@ class MaxBatch:
     plan_at_max: Plan | None  # the cheapest plan at `with_plan`
 
 
-def max_batch(workload: Workload, config: StepConfig, budget_bytes: int, device: str, limit: int = 1 << 16) -> MaxBatch:
+def max_batch(
+    workload: Workload,
+    config: StepConfig,
+    budget_bytes: int,
+    device: str,
+    limit: int = 1 << 16,
+    gpu: str | None = None,
+) -> MaxBatch:
     """The largest batch size that fits, without and with an optimal checkpoint plan (binary search:
     memory grows with the batch)."""
 
     def fits_plain(batch: int) -> bool:
-        return estimate(replace(workload, batch_size=batch), config, device).peak_bytes <= budget_bytes
+        return estimate(replace(workload, batch_size=batch), config, device, gpu=gpu).peak_bytes <= budget_bytes
 
     def plan_at(batch: int) -> Plan:
-        return plan_checkpoints(replace(workload, batch_size=batch), config, budget_bytes, device).plan
+        return plan_checkpoints(replace(workload, batch_size=batch), config, budget_bytes, device, gpu=gpu).plan
 
     plain = _largest(fits_plain, 1, limit)
     planned = _largest(lambda b: plan_at(b).feasible, max(plain, 1), limit)

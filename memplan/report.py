@@ -6,9 +6,7 @@ is printed. matplotlib is optional (`pip install 'memplan[plot]'`) and imported 
 from __future__ import annotations
 
 import io
-import os
 import re
-import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from pathlib import Path
 from memplan.errors import BadInput
 from memplan.estimate import Estimate, Timeline
 from memplan.gpus import GpuSpec
+from memplan.plan import write_atomically
 from memplan.trace import ROLES
 from memplan.units import format_bytes
 
@@ -168,7 +167,7 @@ def plot_timelines(
     data = buffer.getvalue()
     if path.suffix.lower() == ".html":
         data = _html_page(title, data.decode())
-    _write_bytes_atomically(path, data)
+    write_atomically(path, data)
     return path
 
 
@@ -239,17 +238,3 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def _write_bytes_atomically(path: Path, data: bytes) -> None:
-    """Write beside `path`, then rename: never a half-written figure."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        # mkstemp makes the file private (0600); give it the mode a plain open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -241,7 +241,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
 
 
 def _pareto_subsets(names: Sequence[str], terms: dict[str, tuple[int, int, int, float]],
-                    base: tuple[int, int, int, float], grid: int = 32) -> list[tuple[str, list[str]]]:
+                    base: tuple[int, int, int, float], grid: int = 10) -> list[tuple[str, list[str]]]:
     """The subsets of `names` whose policy no other subset beats in held bytes, transient bytes and both
     costs (the only ones the chain DP could pick). Each op adds its own terms (storages belong to the op
     that allocates them): terms[name] = (held added, transient removed, FLOPs saved, seconds saved)."""
@@ -471,7 +471,8 @@ def profile_blocks(trace: Trace, device: str, gpu: str, precision: str) -> tuple
     block_bytes = device_model(device).block_bytes
     candidates = candidate_blocks(trace, block_bytes)
     spec = gpu_spec(gpu)
-    profiles = tuple(profile_block(trace, b.path, b.group, block_bytes, spec, precision) for b in candidates.blocks)
+    unique = list({b.path: b for b in candidates.blocks}.values())  # a path listed twice is one block
+    profiles = tuple(profile_block(trace, b.path, b.group, block_bytes, spec, precision) for b in unique)
     return candidates, profiles
 
 
@@ -482,10 +483,14 @@ def plan_selective(
     device: str = "cuda",
     objective: str = "seconds",
     gpu: str = "h100",
+    headroom: float = 0.005,
 ) -> SelectiveResult:
     """The cheapest selective-recompute plan (by `objective`, "seconds" on `gpu` or "flops") whose
-    re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits."""
+    re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits.
+    `headroom`: the plan must fit budget x (1 - headroom) by the estimator, a margin for its error against
+    the real allocator (a few KiB on the CPU at tiny sizes)."""
     started = time.perf_counter()
+    target = budget_bytes - int(headroom * budget_bytes)
     spec = gpu_spec(gpu)
     unplanned, trace = unplanned_estimate(workload, config, device)
     candidates, blocks = profile_blocks(trace, device, gpu, config.precision)
@@ -504,7 +509,7 @@ def plan_selective(
         plan = draft(solution)
         planned, planned_trace = realise(workload, config, device, plan)
         seconds = max(0.0, step_seconds(planned_trace, spec, config.precision) - base_seconds)
-        plan = replace(plan, feasible=planned.peak_bytes <= budget_bytes, predicted_peak_bytes=planned.peak_bytes,
+        plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                        recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
         return plan, planned, seconds
 
@@ -522,7 +527,7 @@ def plan_selective(
 
     best = None  # (plan, planned, seconds, solution)
     seen: dict[tuple, tuple] = {}
-    solver_budget, scale, loose = budget_bytes, 1, None
+    solver_budget, scale, loose = target, 1, None
 
     def consider(solution: SelectiveSolution) -> tuple:
         nonlocal best, rounds
@@ -546,7 +551,7 @@ def plan_selective(
         if repeated:
             scale *= 2
         loose = solver_budget
-        solver_budget -= scale * max(1, planned.peak_bytes - budget_bytes)
+        solver_budget -= scale * max(1, planned.peak_bytes - target)
     if best[0].feasible and loose is not None:
         tight = solver_budget
         for _ in range(BISECTION_ROUNDS):

@@ -297,7 +297,7 @@ def run_steps(
     """Run `config.steps` training steps. `on_phase(phase, step)` is called as each phase begins
     ("forward", "backward", "optimizer") and with ("end", step) when a step is over."""
     precision = precision_rule(config.precision)
-    model, optimizer, scaler = prepared.model, prepared.optimizer, prepared.scaler
+    model, scaler = prepared.model, prepared.scaler
     device_type = prepared.device.type
     with _tf32(precision.tf32):
         for step in range(config.steps):

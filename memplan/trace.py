@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -333,9 +333,6 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         finally:
             if hasattr(rules.autocast, "close"):
                 rules.autocast.close()  # the emulated autocast kernels stay registered until closed
-        # Optimizer state created in the last step is named at its "end"; everything still live
-        # is freed when the step's objects go, after the last recorded op.
-        del prepared
     storages = {
         sid: Storage(sid, s["nbytes"], s["role"], s["op"], s["module"]) for sid, s in recorder.storages.items()
     }

@@ -25,7 +25,7 @@ def parse_size(text: str) -> int:
     unit = match and match.group(2).lower()
     if not match or unit not in _UNITS:
         raise BadInput(f"cannot read size {text!r}: use e.g. 24GiB, 80GB (10^9 bytes), 512MiB or plain bytes")
-    return int(round(float(match.group(1)) * _UNITS[unit]))
+    return round(float(match.group(1)) * _UNITS[unit])
 
 
 def format_bytes(n: int) -> str:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._C._profiler import _EventType
 from torch import nn
+from torch._C._profiler import _EventType
 
 from memplan.errors import BadInput, MemplanError
 from memplan.plan import Plan

@@ -2,11 +2,11 @@
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
-import torch.nn as nn
+from torch import nn
 
 from models import bert, gpt2, llama, lstm, mlp, resnet, unet, vit
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 @dataclass(frozen=True)

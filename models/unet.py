@@ -6,8 +6,8 @@ Conv-BN-ReLU pairs, max-pool down, transposed-conv up, skip connections by conca
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True)

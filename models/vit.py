@@ -6,8 +6,8 @@ Pre-LayerNorm blocks, a class token, learned positions, no dropout (torchvision'
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True)

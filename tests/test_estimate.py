@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.devices import cuda_block_bytes, cuda_model, cublas_workspace_bytes, device_model
+from memplan.devices import cublas_workspace_bytes, cuda_block_bytes, cuda_model, device_model
 from memplan.estimate import estimate, simulate
 from memplan.optim8bit import AdamW8bitLayout
 from memplan.step import StepConfig

@@ -7,9 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from memplan.estimate import estimate
+from memplan.estimate import estimate, estimate_and_trace
 from memplan.planner import candidate_blocks, max_batch, plan_checkpoints
-from memplan.estimate import estimate_and_trace
 from memplan.step import StepConfig
 from memplan.verify import measure
 from memplan.workload import resolve_workload

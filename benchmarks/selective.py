@@ -1,0 +1,124 @@
+"""Selective recompute vs the block-level optimal plan, at budgets of 30..70% of the unplanned peak.
+
+    python benchmarks/selective.py [--models gpt2,llama2-7b,gpt-d256] [--fracs 0.3,0.4,0.5,0.6,0.7]
+                                   [--objective seconds] [--gpu h100] [--runs 10] [--no-measure]
+
+Per model and budget: the selective plan's predicted peak (the estimator on the planned model), the
+peak `verify --device cpu` measures, and its recompute overhead as FLOPs %, roofline GPU time % (on
+--gpu) and CPU step time % (median of --runs steps vs the unplanned model); the same three for the
+block-level optimal plan (memplan.planner.plan_checkpoints); the op-level reference figures (simulated
+time overhead); and the planning time (all DP solves; everything including the estimator runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from tabulate import tabulate
+
+from memplan.emit import apply_plan
+from memplan.planner import plan_checkpoints
+from memplan.selective import plan_overhead, plan_selective, unplanned_estimate
+from memplan.step import StepConfig, prepare_step, run_steps
+from memplan.verify import measure
+from memplan.workload import resolve_workload
+from models import TINY_OVERRIDES
+
+GPT_D256 = {"n_layer": 6, "n_embd": 256, "n_head": 8, "seq_len": 128, "vocab_size": 1000, "block_size": 128}
+OP_LEVEL_REFERENCE = {0.3: 20.2, 0.4: 15.6, 0.5: 11.1, 0.6: 7.0, 0.7: 3.9}  # simulated time overhead %
+
+
+def workloads(names: list[str], batch: int):
+    for name in names:
+        if name == "gpt-d256":
+            yield name, resolve_workload("gpt2", 8, GPT_D256)
+        else:
+            yield name, resolve_workload(name, batch, dict(TINY_OVERRIDES[name], n_layer=6))
+
+
+def step_time(workload, config, plan, runs: int) -> float:
+    """Median seconds of one real CPU training step (fp32), after one warm-up step."""
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    if plan is not None and plan.segments:
+        model = apply_plan(model, plan)
+    prepared = prepare_step(model, inputs, config, "cpu")
+    one = replace(config, steps=1)
+    run_steps(prepared, one)
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        run_steps(prepared, one)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,llama2-7b,gpt-d256")
+    parser.add_argument("--fracs", default="0.3,0.4,0.5,0.6,0.7")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--objective", default="seconds")
+    parser.add_argument("--gpu", default="h100")
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--no-measure", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(4)
+    config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
+    rows, infeasible = [], []
+    for name, workload in workloads(args.models.split(","), args.batch):
+        unplanned, _ = unplanned_estimate(workload, config, "cpu")
+        base_time = None if args.no_measure else step_time(workload, config, None, args.runs)
+        for frac in (float(f) for f in args.fracs.split(",")):
+            budget = int(frac * unplanned.peak_bytes)
+            sel = plan_selective(workload, config, budget, device="cpu", objective=args.objective, gpu=args.gpu)
+            started = time.perf_counter()
+            block = plan_checkpoints(workload, config, budget, device="cpu")
+            block_seconds = time.perf_counter() - started
+            for method, plan in (("selective", sel.plan), ("block-level", block.plan)):
+                if not plan.feasible:
+                    infeasible.append(f"{name} {int(frac * 100)}%: {method} no fit (smallest peak reached "
+                                      f"{plan.predicted_peak_bytes} > budget {budget})")
+            measured = cpu_sel = cpu_block = None
+            if not args.no_measure and sel.plan.feasible:
+                measured = measure(workload, config, device="cpu", plan=sel.plan).measured_peak_bytes
+                cpu_sel = 100 * (step_time(workload, config, sel.plan, args.runs) / base_time - 1)
+            if not args.no_measure and block.plan.feasible:
+                cpu_block = 100 * (step_time(workload, config, block.plan, args.runs) / base_time - 1)
+            block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu)
+
+            def pct(value, ok=True):
+                return "-" if value is None or not ok else f"{value:.1f}"
+
+            ok_s, ok_b = sel.plan.feasible, block.plan.feasible
+            rows.append([
+                name, f"{int(frac * 100)}%", budget,
+                sel.plan.predicted_peak_bytes if ok_s else f"no fit ({sel.plan.predicted_peak_bytes})",
+                measured if measured is not None else "-",
+                "-" if measured is None else ("yes" if measured <= budget else "NO"),
+                pct(sel.flops_overhead_pct, ok_s), pct(sel.seconds_overhead_pct, ok_s), pct(cpu_sel, ok_s),
+                pct(block_flops, ok_b), pct(block_gpu, ok_b), pct(cpu_block, ok_b),
+                OP_LEVEL_REFERENCE.get(frac, "-"),
+                f"{sel.solve_seconds:.2f}", f"{sel.plan_seconds:.1f}", sel.rounds, f"{block_seconds:.1f}",
+                " ".join(f"{s.modules[0]}:{'full' if s.policy == 'full' else len(s.saved_ops)}" for s in sel.plan.segments),
+            ])
+            print(*rows[-1], sep="\t", file=sys.stderr, flush=True)
+    headers = ["model", "budget", "budget B", "sel predicted B", "sel measured B", "meas<=budget",
+               "sel FLOPs%", "sel GPU%", "sel CPU%", "block FLOPs%", "block GPU%", "block CPU%", "op-level ref GPU%",
+               "sel solve s", "sel plan s", "rounds", "block plan s", "segments (module:saved ops)"]
+    print(tabulate(rows, headers=headers))
+    print("\nno fit:" if infeasible else "\nno fit: none")
+    for line in infeasible:
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()

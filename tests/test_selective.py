@@ -1,0 +1,181 @@
+"""Selective recompute (memplan.selective): gradients, cost vs the block-level plan, budgets, in-place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.emit import apply_plan
+from memplan.estimate import estimate
+from memplan.plan import Plan, Segment
+from memplan.planner import plan_checkpoints
+from memplan.selective import (
+    BlockProfile,
+    Policy,
+    plan_selective,
+    profile_blocks,
+    solve_selective_chain,
+    unplanned_estimate,
+)
+from memplan.step import StepConfig
+from memplan.verify import measure
+from memplan.workload import Workload, resolve_workload
+from models import TINY_OVERRIDES, ZOO
+
+CONFIG = StepConfig(precision="fp32", optimizer="sgd", steps=2)
+
+
+def _gpt(n_layer: int = 2, batch: int = 4) -> Workload:
+    return resolve_workload("gpt2", batch, dict(TINY_OVERRIDES["gpt2"], n_layer=n_layer))
+
+
+def _grads(model: nn.Module, inputs: tuple) -> dict[str, torch.Tensor]:
+    torch.manual_seed(123)  # the dropout masks
+    model.train()
+    model(*inputs).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _plan(segments: tuple[Segment, ...], workload: Workload) -> Plan:
+    return Plan(model=workload.spec, batch_size=workload.batch_size, precision="fp32", optimizer="sgd", grad_accum=1,
+                device="cpu", method="test", segments=segments, feasible=True, budget_bytes=None,
+                predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=1)
+
+
+@pytest.mark.parametrize("saved", [
+    ("aten.addmm.default",),
+    ("aten.addmm.default", "aten.native_layer_norm.default", "aten.gelu.default"),
+    ("aten._safe_softmax.default", "aten.mul.Tensor", "aten.bmm.default"),
+])
+def test_selective_gradients_equal_eager_with_dropout(saved):
+    torch.manual_seed(0)
+    model, inputs = ZOO["gpt2"].build(2, **dict(TINY_OVERRIDES["gpt2"], n_layer=3))
+    assert model.h[0].attn.dropout > 0  # dropout is on
+    planned = apply_plan(_copy(model), _plan((
+        Segment(("h.0",), "selective", saved), Segment(("h.1",), "full"), Segment(("h.2",), "selective", saved[:1]),
+    ), _gpt()))
+    eager, checkpointed = _grads(model, inputs), _grads(planned, inputs)
+    assert eager.keys() == checkpointed.keys()
+    for name in eager:
+        torch.testing.assert_close(checkpointed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_planned_selective_gradients_equal_eager():
+    workload = _gpt(n_layer=2)
+    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    result = plan_selective(workload, CONFIG, int(0.7 * unplanned.peak_bytes), device="cpu")
+    assert result.plan.feasible and any(s.policy == "selective" for s in result.plan.segments)
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    planned = apply_plan(_copy(model), result.plan)
+    eager, checkpointed = _grads(model, inputs), _grads(planned, inputs)
+    for name in eager:
+        torch.testing.assert_close(checkpointed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_selective_costs_no_more_than_block_level():
+    workload = _gpt(n_layer=3)
+    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    budget = int(0.6 * unplanned.peak_bytes)
+    block = plan_checkpoints(workload, CONFIG, budget, device="cpu")
+    selective = plan_selective(workload, CONFIG, budget, device="cpu", objective="flops")
+    assert block.plan.feasible and selective.plan.feasible
+    assert selective.plan.recompute_flops <= block.plan.recompute_flops
+    assert selective.solution.optimality_gap == 0.0
+
+
+def test_predicted_and_measured_fit_the_budget():
+    workload = _gpt(n_layer=3)
+    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    budget = int(0.7 * unplanned.peak_bytes)
+    result = plan_selective(workload, CONFIG, budget, device="cpu")
+    assert result.plan.feasible
+    assert result.plan.predicted_peak_bytes <= budget
+    assert result.selective.states_explored > 0
+    assert result.plan.predicted_peak_bytes == estimate(
+        workload, CONFIG, "cpu", transform=lambda m: apply_plan(m, result.plan)).peak_bytes
+    assert measure(workload, CONFIG, device="cpu", plan=result.plan).measured_peak_bytes <= budget
+
+
+# -- in-place mutation of a cached output ----------------------------------------------------------
+
+
+class InPlaceBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        y = self.linear(x)
+        y.relu_()  # mutates addmm's output: caching it would hand backward a changed tensor
+        return self.out(y) + x
+
+
+class InPlaceNet(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(InPlaceBlock(width) for _ in range(depth)))
+
+    def forward(self, x):
+        return self.blocks(x).square().mean()
+
+
+def inplace_model(batch_size: int = 8, width: int = 64, depth: int = 3):
+    return InPlaceNet(width, depth), (torch.randn(batch_size, width),)
+
+
+def test_inplace_mutated_outputs_are_never_saved():
+    workload = Workload("inplace", inplace_model, 8, {})
+    _, trace = unplanned_estimate(workload, CONFIG, "cpu")
+    _, blocks = profile_blocks(trace, "cpu", "h100", "fp32")
+    assert [b.path for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+    for block in blocks:
+        reasons = dict(block.exclusions)
+        assert "aten.addmm.default" in reasons and "aten.relu_.default" in reasons["aten.addmm.default"]
+        assert all("aten.addmm.default" not in p.saved_ops for p in block.policies)
+    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    result = plan_selective(workload, CONFIG, int(0.9 * unplanned.peak_bytes), device="cpu")
+    assert any(op == "aten.addmm.default" for _, op, _ in result.exclusions)
+    assert all("aten.addmm.default" not in s.saved_ops for s in result.plan.segments)
+
+
+# -- the solver on plain numbers -------------------------------------------------------------------
+
+
+def _block(path: str, policies: list[Policy]) -> BlockProfile:
+    keep = next(p for p in policies if not p.checkpointed)
+    return BlockProfile(path, "g", (), tuple(policies), keep.contrib_bytes, 10, 100, 1.0)
+
+
+def test_dp_prefers_the_cheap_selective_policy_and_is_exact():
+    policies = [Policy("keep", (), 100, 0, 0, 0.0, checkpointed=False),
+                Policy("full", (), 10, 90, 100, 1.0),
+                Policy("matmul", ("aten.mm.default",), 40, 60, 10, 0.1)]
+    blocks = [_block(f"b{i}", policies) for i in range(3)]
+    # all kept: 300; room 220 -> e.g. two matmul-selective blocks: 100 + 40 + 40 + transient 60 = 240 > 220?
+    # the peak term is max over j of prefix + transient: check against brute force
+    import itertools
+
+    def peak(choice):
+        held, top = 0, 0
+        for p in choice:
+            held += p.contrib_bytes
+            top = max(top, held + p.transient_bytes)
+        return max(held, top)
+
+    for room in (150, 200, 220, 260, 300):
+        best = min((sum(p.seconds for p in c) for c in itertools.product(policies, repeat=3) if peak(c) <= room),
+                   default=None)
+        solution = solve_selective_chain(blocks, 0, room)
+        if best is None:
+            assert not solution.feasible
+        else:
+            assert solution.feasible and solution.recompute_seconds == pytest.approx(best)
