@@ -35,9 +35,9 @@ from cli.common import (
     yes_no,
 )
 from cli.estimate_cmd import DeviceOpt
-from memplan.errors import DoesNotFit
+from memplan.errors import BadInput, DoesNotFit
 from memplan.plan import save_plan, write_atomically
-from memplan.planner import alternatives, max_batch, plan_checkpoints
+from memplan.planner import DEFAULT_GPU, alternatives, max_batch, plan_checkpoints
 from memplan.solvers import SOLVERS
 from memplan.step import StepConfig
 from memplan.units import format_bytes
@@ -67,6 +67,9 @@ def plan_command(
     grad_accum: GradAccumOpt = 1,
     device: DeviceOpt = "cuda",
     method: MethodOpt = "optimal-dp",
+    selective: Annotated[
+        bool, typer.Option("--selective", help="Op-level save policies inside segments (keep matmuls, recompute the rest).")
+    ] = False,
     gpu: GpuOpt = None,
     out: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
     emit: Annotated[str | None, typer.Option("--emit", help="Write a Python module applying the plan.")] = None,
@@ -77,18 +80,22 @@ def plan_command(
 ) -> None:
     """Choose the cheapest activation checkpoints that make the training step fit the budget (or the --gpu)."""
     from memplan import report
-    from memplan.gpus import roofline_seconds
 
     card = resolve_gpu(gpu, [precision], device)
     budget_bytes = budget_or_gpu(budget, card)
     if method not in SOLVERS or method == "brute-force":
-        raise typer.BadParameter(f"unknown method {method!r}; expected one of: {', '.join(m for m in SOLVERS if m != 'brute-force')}")
+        raise BadInput(f"unknown method {method!r}; expected one of: {', '.join(m for m in SOLVERS if m != 'brute-force')}")
     if plot:
         report.check_plot_path(plot)
     workload = resolve_workload(model, batch_size, parse_options(set_ or []))
     config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
     with progress(f"planning {model}: solving and re-estimating the checkpointed step ...", quiet):
-        result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name)
+        if selective:
+            from memplan.selective import plan_selective
+
+            result = plan_selective(workload, config, budget_bytes, device, gpu=card.name if card else DEFAULT_GPU)
+        else:
+            result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name)
     plan = result.plan
     others = ()
     if not plan.feasible:
@@ -104,7 +111,7 @@ def plan_command(
         _plot_before_after(plot, workload, config, device, plan, budget_bytes, card, quiet)
     overhead = overhead_pct(plan.recompute_flops, plan.step_flops)
     # A roofline lower bound: recomputation at the card's peak rate for this precision, no memory traffic.
-    recompute_s = roofline_seconds(plan.recompute_flops, 0, card, precision) if card else None
+    recompute_s = plan.recompute_seconds or 0.0
     usable = report.usable_bytes(card) if card else None
     if as_json:
         print_json({
@@ -128,7 +135,9 @@ def plan_command(
             "recompute_overhead_pct": round(overhead, 3),
             "recompute_seconds": recompute_s,
             "method": plan.method,
-            "segments": [{"modules": list(s.modules)} for s in plan.segments],
+            "segments": [
+                {"modules": list(s.modules), "policy": s.policy, "saved_ops": list(s.saved_ops)} for s in plan.segments
+            ],
             "excluded": [{"module": e.path, "reason": e.reason} for e in result.candidates.excluded],
             "alternatives": [
                 {"change": a.description, "batch_size": a.batch_size, "grad_accum": a.grad_accum,
@@ -137,8 +146,9 @@ def plan_command(
             ],
         })
     else:
-        segments = [[", ".join(s.modules)] for s in plan.segments] or [["(none needed)" if plan.feasible else "(none)"]]
-        typer.echo(tabulate(segments, headers=["checkpointed segments"]))
+        segments = [[", ".join(s.modules), _kept(s)] for s in plan.segments]
+        segments = segments or [["(none needed)" if plan.feasible else "(none)", ""]]
+        typer.echo(tabulate(segments, headers=["checkpointed segments", "outputs kept (rest recomputed)"]))
         typer.echo()
         headers = ["", PEAK, PEAK_PHASE, BUDGET, *([fits_column(card)] if card else []), OVERHEAD]
 
@@ -151,9 +161,9 @@ def plan_command(
             row("with the plan", plan.predicted_peak_bytes, result.planned.peak_phase, overhead),
         ], headers=headers, colalign=("left", *["right"] * (len(headers) - 1))))
         typer.echo(f"memory saved: {format_bytes(plan.unplanned_peak_bytes - plan.predicted_peak_bytes)}")
+        typer.echo(f"recompute ≈ {1000 * recompute_s:.1f} ms per step on {card.name if card else DEFAULT_GPU} "
+                   f"(roofline over each op's FLOPs and bytes at peak {precision} rates: a lower bound)")
         if card:
-            typer.echo(f"recompute ≈ {1000 * recompute_s:.1f} ms per step on {card.name} "
-                       f"(roofline at its peak {precision} rate: a lower bound)")
             typer.echo(gpu_line(card))
         for excluded in result.candidates.excluded:
             note(f"not a candidate: {excluded.path}: {excluded.reason}")
@@ -166,6 +176,11 @@ def plan_command(
             f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; "
             f"the smallest reached is {format_bytes(plan.predicted_peak_bytes)}"
         )
+
+
+def _kept(segment) -> str:
+    """What a selective segment keeps, as short op names ("addmm, mm"); nothing for a full one."""
+    return ", ".join(op.split(".")[1] for op in segment.saved_ops) if segment.policy == "selective" else "-"
 
 
 def _plot_before_after(path, workload, config, device, plan, budget_bytes, card, quiet) -> None:

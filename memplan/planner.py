@@ -16,15 +16,17 @@ from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.errors import DoesNotFit
 from memplan.estimate import Estimate, estimate, estimate_and_trace
+from memplan.gpus import gpu_spec, roofline_seconds
 from memplan.plan import Plan, Segment
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution
 from memplan.step import StepConfig
-from memplan.trace import ModuleCall, Trace
+from memplan.trace import ModuleCall, Op, Trace
 from memplan.workload import Workload
 
 CONTAINERS = ("ModuleList", "Sequential")
+DEFAULT_GPU = "h100"  # matches memplan.devices.DEFAULT_COMPUTE_CAPABILITY
 CLOSED_LOOP_ROUNDS = 8
-BISECTION_ROUNDS = 4
+BISECTION_ROUNDS = 6
 BASELINES = ("every-block", "sqrt-n", "uniform-k")
 
 
@@ -40,10 +42,15 @@ class Candidates:
     excluded: tuple[Excluded, ...]
 
 
-def candidate_blocks(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) -> Candidates:
+def candidate_blocks(
+    trace: Trace,
+    block_bytes: Callable[[int], int] = lambda n: n,
+    seconds_of: Callable[[int, int], float] = lambda flops, bytes_moved: 0.0,
+) -> Candidates:
     """The chain of blocks to choose from, in forward order: the outermost children of nn.Sequential /
     nn.ModuleList containers (blocks called in a loop), and the model's direct children that hold none.
-    Cost-model numbers come from the first forward of the trace."""
+    Cost-model numbers come from the first forward of the trace; `seconds_of(flops, bytes moved)` times
+    one op's recomputation (a roofline on the target GPU), summed over the block."""
     first_forward = [c for c in trace.calls if c.phase == "forward" and c.step == 0]
     calls_per_path: dict[str, int] = {}
     for call in first_forward:
@@ -62,7 +69,8 @@ def candidate_blocks(trace: Trace, block_bytes: Callable[[int], int] = lambda n:
     # the model's own children complete the chain where they hold no container block (a CNN's stem)
     top_level = [
         c for c in first_calls
-        if c.path and "." not in c.path and not any(b.path.startswith(c.path + ".") for b in in_containers)
+        if c.path and "." not in c.path and c not in in_containers
+        and not any(b.path.startswith(c.path + ".") for b in in_containers)
     ]
     chosen = sorted(in_containers + top_level, key=lambda c: (c.first_op, -c.end_op))
     outermost = []
@@ -96,8 +104,20 @@ def candidate_blocks(trace: Trace, block_bytes: Callable[[int], int] = lambda n:
             if trace.storages[sid].role not in ("weights",)
         )
         group = parent(call.path) if trace.module_types.get(parent(call.path)) in CONTAINERS else ""
-        blocks.append(Block(call.path, inputs, saved, sum(op.flops for op in ops), group=group))
+        seconds = sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
+        blocks.append(Block(call.path, inputs, saved, sum(op.flops for op in ops), seconds, group))
     return Candidates(tuple(blocks), tuple(excluded))
+
+
+def _bytes_moved(trace: Trace, op: Op) -> int:
+    """What one op reads and writes: its input storages and the storages it allocates."""
+    return sum(trace.storages[sid].nbytes for sid in (*op.reads, *op.allocates))
+
+
+def roofline(gpu: str | None, precision: str) -> Callable[[int, int], float]:
+    """Recompute time of one op on `gpu` (default: the CUDA model's default GPU, an H100)."""
+    spec = gpu_spec(gpu or DEFAULT_GPU)
+    return lambda flops, bytes_moved: roofline_seconds(flops, bytes_moved, spec, precision)
 
 
 def _mutated_after(trace: Trace, call: ModuleCall, forward_end: int) -> bool:
@@ -138,7 +158,7 @@ def plan_checkpoints(
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
     The result's plan has feasible=False, with the smallest peak reached, when none fits."""
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
-    candidates = candidate_blocks(trace, device_model(device, gpu).block_bytes)
+    candidates = candidate_blocks(trace, device_model(device, gpu).block_bytes, roofline(gpu, config.precision))
     fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in candidates.blocks))
     solver_budget = budget_bytes
     best: tuple[Plan, Estimate, Solution] | None = None
@@ -159,9 +179,11 @@ def plan_checkpoints(
         # the cost model was optimistic: tighten the solver's budget by what the estimator found over
         loose = solver_budget
         solver_budget -= excess_scale * (planned.peak_bytes - budget_bytes)
-    if best[0].feasible and solver_budget < budget_bytes and loose is not None:
-        # we may have tightened past the cheapest fitting plan: bisect between the last solver budget
-        # whose plan did not fit and the one whose plan did
+    if best[0].feasible and best[0].segments:
+        # The cost model is only a model: a looser solver budget may still give a plan that really
+        # fits, and costs less. Bisect between the solver budget whose plan fits and the last one
+        # whose plan did not (or the unplanned peak, where no checkpoint is needed).
+        loose = unplanned.peak_bytes if loose is None else loose
         tight = solver_budget
         for _ in range(BISECTION_ROUNDS):
             middle = (loose + tight) // 2
@@ -232,6 +254,7 @@ def _realise(
         feasible=planned.peak_bytes <= budget_bytes,
         predicted_peak_bytes=planned.peak_bytes,
         recompute_flops=max(0, planned.step_flops - unplanned.step_flops),
+        recompute_seconds=solution.recompute_seconds,
     )
     return plan, planned
 

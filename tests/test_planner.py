@@ -141,3 +141,15 @@ def test_cuda_plans_recompute_with_the_same_attention_kernel():
     budget = int(unplanned.peak_bytes - 0.3 * unplanned.breakdown.activations)
     plan = plan_checkpoints(workload, config, budget, device="cuda").plan
     assert plan.segments and plan.predicted_peak_bytes <= budget
+
+
+def test_selective_plan_from_the_cli_keeps_named_ops(gpt_unplanned):
+    budget = int(gpt_unplanned.peak_bytes - 0.25 * gpt_unplanned.breakdown.activations)
+    options = [f"--set={k}={v}" for k, v in {**TINY_OVERRIDES["gpt2"], "n_layer": 6}.items()]
+    result = runner.invoke(app, ["plan", "gpt2", "-b", "4", *options, "--budget", str(budget), "--device", "cpu",
+                                 "-o", "sgd", "--selective", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["predicted_peak_bytes"] <= budget
+    selective = [s for s in payload["segments"] if s["policy"] == "selective"]
+    assert selective and all(op.startswith("aten.") for s in selective for op in s["saved_ops"])
