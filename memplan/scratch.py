@@ -30,17 +30,16 @@ cuBLAS-Lt workspaces are chosen at run time and are left to the device model.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+
+from memplan.cpu_profiler import quiet_stderr
 
 aten = torch.ops.aten
 
@@ -106,7 +105,7 @@ def measure(call: Callable[[Any], Any], setup: Callable[[], Any] = lambda: None)
     from torch._C._profiler import _EventType
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
+    with quiet_stderr():
         prof.__enter__()
     try:
         state = [setup()]
@@ -116,7 +115,7 @@ def measure(call: Callable[[Any], Any], setup: Callable[[], Any] = lambda: None)
         state.clear()
         result.clear()
     finally:
-        with _quiet_stderr():
+        with quiet_stderr():
             prof.__exit__(None, None, None)
 
     def allocations(node: Any) -> list[tuple[int, int, int]]:
@@ -140,25 +139,6 @@ def measure(call: Callable[[Any], Any], setup: Callable[[], Any] = lambda: None)
     node = find(prof.profiler.kineto_results.experimental_event_tree())
     events = tuple(n for _, _, n in sorted(allocations(node))) if node is not None else ()
     return Measurement(events, out_bytes, extra_bytes(list(events), out_bytes))
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence what the profiler's C++ side writes to fd 2 when it starts and stops (as
-    memplan/verify.py does)."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def new_storage_bytes(out: Any, inputs: Any) -> int:

@@ -21,13 +21,10 @@ Nothing here prints: `measure`, `predict` and `compare` return dataclasses; the 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
 import inspect
-import os
 import re
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +34,7 @@ import torch
 from torch import nn
 from torch._C._profiler import _EventType
 
+from memplan.cpu_profiler import quiet_stderr
 from memplan.errors import BadInput, MemplanError
 from memplan.plan import Plan
 from memplan.step import PHASES, PreparedStep, StepConfig, optimizer_rule, prepare_step, run_steps
@@ -447,24 +445,6 @@ def live_state_bytes(prepared: PreparedStep) -> int:
     return sum(seen.values())
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence what the profiler's C++ side writes to fd 2 when it starts and stops."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def _mark(phase: str, step: int) -> None:
     """A zero-length profiler marker: its start time places the phase boundary in the event stream."""
     with torch.autograd.profiler.record_function(f"{_MARK}{phase}::{step}"):
@@ -493,7 +473,7 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collection at a random moment: the same run frees at the same moments
     try:
-        with _quiet_stderr():
+        with quiet_stderr():
             profiler.__enter__()
         try:
             run_steps(prepared, config, on_phase)
@@ -502,7 +482,7 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
                 raise
             oom_error = error.with_traceback(None)  # the traceback would keep the step's tensors alive
         finally:
-            with _quiet_stderr():
+            with quiet_stderr():
                 profiler.__exit__(None, None, None)
     finally:
         if gc_was_enabled:
