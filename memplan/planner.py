@@ -81,7 +81,9 @@ def candidate_blocks(
     approximate_ops = set(trace.approximate_ops)
     forward_end = max((c.end_op for c in first_forward), default=0)
     blocks, excluded = [], []
+    previous: ModuleCall | None = None  # the call of the last block kept
     for call in outermost:
+        before, previous = previous, None  # an excluded block breaks any run
         ops = trace.ops[call.first_op : call.end_op]
         if calls_per_path[call.path] > _forward_passes(trace):
             excluded.append(Excluded(call.path, "called more than once per forward"))
@@ -103,9 +105,16 @@ def candidate_blocks(
             for sid in call.inputs
             if trace.storages[sid].role not in ("weights",)
         )
-        group = parent(call.path) if trace.module_types.get(parent(call.path)) in CONTAINERS else ""
+        group = ""
+        if trace.module_types.get(parent(call.path)) in CONTAINERS:
+            # a run may join this block to the one before only if the parent feeds one's output
+            # straight into the next (`x = block(x)`); otherwise it starts a run of its own
+            chained = before is not None and parent(before.path) == parent(call.path) and call.inputs[:1] \
+                and call.inputs[0] in before.outputs
+            group = blocks[-1].group if chained else f"{parent(call.path)}@{call.path}"
         seconds = sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
         blocks.append(Block(call.path, inputs, saved, sum(op.flops for op in ops), seconds, group))
+        previous = call
     return Candidates(tuple(blocks), tuple(excluded))
 
 

@@ -88,8 +88,9 @@ def test_cnn_plans_fit_with_exact_gradients_and_batchnorm_state():
 
 def test_chain_candidates_are_the_transformer_blocks():
     _, trace = estimate_and_trace(_gpt(4), CONFIG, device="cpu")
-    blocks = [b for b in candidate_blocks(trace).blocks if b.group == "h"]
+    blocks = [b for b in candidate_blocks(trace).blocks if b.group.startswith("h@")]
     assert [b.path for b in blocks] == ["h.0", "h.1", "h.2", "h.3"]
+    assert len({b.group for b in blocks}) == 1  # chained x = block(x): one run may cover them
     assert all(b.saved_bytes > b.input_bytes > 0 and b.flops > 0 for b in blocks)
     # the model's own children complete the chain, in forward order
     assert [b.path for b in candidate_blocks(trace).blocks][:2] == ["wte", "wpe"]
@@ -153,3 +154,11 @@ def test_selective_plan_from_the_cli_keeps_named_ops(gpt_unplanned):
     assert payload["predicted_peak_bytes"] <= budget
     selective = [s for s in payload["segments"] if s["policy"] == "selective"]
     assert selective and all(op.startswith("aten.") for s in selective for op in s["saved_ops"])
+
+
+def test_blocks_not_chained_by_their_parent_never_form_a_run():
+    # unet calls its down blocks as x = down(pool(x)): a run over them would not be one checkpoint
+    workload = resolve_workload("unet", 2, TINY_OVERRIDES["unet"])
+    _, trace = estimate_and_trace(workload, CONFIG, device="cpu")
+    downs = [b for b in candidate_blocks(trace).blocks if b.path.startswith("downs.")]
+    assert len(downs) >= 2 and len({b.group for b in downs}) == len(downs)
