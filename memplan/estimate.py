@@ -51,6 +51,7 @@ class Simulation:
     peak_step: int
     breakdown: Breakdown
     phase_peaks: dict[str, int]
+    phase_breakdowns: dict[str, Breakdown]  # the categories at each phase's own peak
     first_step_peak_bytes: int
     later_steps_peak_bytes: int | None
     reserved_bytes: int | None
@@ -91,6 +92,9 @@ class Estimate:
             "peak_phase": self.peak_phase,
             "breakdown": self.breakdown.as_dict(),
             "phase_peaks": dict(self.phase_peaks),
+            "phase_breakdowns": {
+                p: b.as_dict() for p, b in (self.simulation.phase_breakdowns.items() if self.simulation else ())
+            },
             "first_step_peak_bytes": self.first_step_peak_bytes,
             "later_steps_peak_bytes": self.later_steps_peak_bytes,
             "step_flops": self.step_flops,
@@ -109,6 +113,7 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
     phase, step = "setup", -1
     peak, peak_event, peak_phase, peak_step = allocator.allocated, -1, phase, step
     phase_peaks: dict[str, int] = defaultdict(int)
+    phase_peak_events: dict[str, int] = {}
     step_peaks: dict[int, int] = defaultdict(int)
     timeline_live, timeline_phases = [], []
     by_role = _by_role(trace, size, set(baseline)) if with_timeline else None
@@ -117,7 +122,8 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
         nonlocal peak, peak_event, peak_phase, peak_step
         moment = allocator.allocated
         if phase in PHASES:
-            phase_peaks[phase] = max(phase_peaks[phase], moment)
+            if moment > phase_peaks[phase]:
+                phase_peaks[phase], phase_peak_events[phase] = moment, index
             step_peaks[step] = max(step_peaks[step], moment)
         if moment > peak:
             peak, peak_event, peak_phase, peak_step = moment, index, phase, step
@@ -152,6 +158,9 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
             timeline_phases.append((phase, step))
 
     breakdown, top = _at_event(trace, size, peak_event, peak)
+    phase_breakdowns = {
+        p: _at_event(trace, size, phase_peak_events[p], phase_peaks[p])[0] for p in PHASES if p in phase_peak_events
+    }
     steps = sorted(step_peaks)
     return Simulation(
         peak_bytes=peak,
@@ -160,6 +169,7 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
         peak_step=peak_step,
         breakdown=breakdown,
         phase_peaks={p: phase_peaks.get(p, 0) for p in PHASES},
+        phase_breakdowns=phase_breakdowns,
         first_step_peak_bytes=step_peaks[steps[0]] if steps else peak,
         later_steps_peak_bytes=max(step_peaks[s] for s in steps[1:]) if len(steps) > 1 else None,
         reserved_bytes=allocator.peak_reserved,

@@ -48,6 +48,8 @@ def test_estimate_json_schema():
         assert set(row["phase_peaks"]) == {"forward", "backward", "optimizer"}
         assert isinstance(row["peak_bytes"], int) and row["batch_size"] == 2
         assert sum(row["breakdown"].values()) == row["peak_bytes"]
+        for phase, categories in row["phase_breakdowns"].items():
+            assert sum(categories.values()) == row["phase_peaks"][phase]
     fp32, bf16 = payload["results"]
     assert bf16["breakdown"]["weights"] * 2 == fp32["breakdown"]["weights"]
 
