@@ -7,8 +7,9 @@ to a scratch formula, like torch/utils/flop_counter.py's registry.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,21 @@ def output_fixes(device: str) -> Callable[[Any, tuple, dict, Any], Any]:
         return rule(args, kwargs, out) if rule else out
 
     return fix
+
+
+@contextlib.contextmanager
+def host_rng_state() -> Iterator[None]:
+    """torch.utils.checkpoint keeps `torch.get_rng_state()` per segment from forward to recomputation:
+    a 5,056-byte CPU tensor made outside the dispatcher. On the CPU target that is device memory, so
+    while tracing it becomes a traced allocation of the same size (and restoring it, a no-op)."""
+    get_state, set_state = torch.get_rng_state, torch.set_rng_state
+    size = get_state().numel()
+    torch.get_rng_state = lambda: torch.empty(size, dtype=torch.uint8)
+    torch.set_rng_state = lambda state: None
+    try:
+        yield
+    finally:
+        torch.get_rng_state, torch.set_rng_state = get_state, set_state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,7 +159,9 @@ def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY)
 
 
 DEVICES: dict[str, Callable[[], DeviceModel]] = {
-    "cpu": lambda: DeviceModel("cpu", "CPU allocator (exact request sizes)", exact_bytes, scratch_of("cpu")),
+    "cpu": lambda: DeviceModel(
+        "cpu", "CPU allocator (exact request sizes)", exact_bytes, scratch_of("cpu"), function_mode=host_rng_state
+    ),
     "cuda": cuda_model,
 }
 

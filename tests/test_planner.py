@@ -35,7 +35,7 @@ def test_plan_fits_when_predicted_and_when_measured(gpt_unplanned, cut):
     assert plan.segments and plan.recompute_flops > 0
     measured = measure(_gpt(), CONFIG, device="cpu", plan=plan).measured_peak_bytes
     assert measured <= budget
-    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured
+    assert measured == plan.predicted_peak_bytes  # checkpoint's CPU RNG state included
 
 
 def test_optimal_plan_costs_no_more_than_any_baseline_that_fits(gpt_unplanned):
