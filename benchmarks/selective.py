@@ -26,7 +26,7 @@ from tabulate import tabulate
 
 from memplan.emit import apply_plan
 from memplan.planner import plan_checkpoints
-from memplan.selective import plan_overhead, plan_selective, unplanned_estimate
+from memplan.selective import EstimateCache, plan_overhead, plan_selective
 from memplan.step import StepConfig, prepare_step, run_steps
 from memplan.verify import measure
 from memplan.workload import resolve_workload
@@ -75,11 +75,14 @@ def main() -> None:
     config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
     rows, infeasible = [], []
     for name, workload in workloads(args.models.split(","), args.batch):
-        unplanned, _ = unplanned_estimate(workload, config, "cpu")
+        cache = EstimateCache()  # the budgets of one model share the unplanned and re-estimated steps
+        unplanned, _ = cache.estimate(workload, config, "cpu")
         base_time = None if args.no_measure else step_time(workload, config, None, args.runs)
         for frac in (float(f) for f in args.fracs.split(",")):
             budget = int(frac * unplanned.peak_bytes)
-            sel = plan_selective(workload, config, budget, device="cpu", objective=args.objective, gpu=args.gpu)
+            sel = plan_selective(
+                workload, config, budget, device="cpu", objective=args.objective, gpu=args.gpu, cache=cache
+            )
             started = time.perf_counter()
             block = plan_checkpoints(workload, config, budget, device="cpu")
             block_seconds = time.perf_counter() - started
@@ -93,7 +96,7 @@ def main() -> None:
                 cpu_sel = 100 * (step_time(workload, config, sel.plan, args.runs) / base_time - 1)
             if not args.no_measure and block.plan.feasible:
                 cpu_block = 100 * (step_time(workload, config, block.plan, args.runs) / base_time - 1)
-            block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu)
+            block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu, cache)
 
             def pct(value, ok=True):
                 return "-" if value is None or not ok else f"{value:.1f}"

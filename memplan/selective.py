@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -424,36 +424,33 @@ class SelectiveResult:
         return 100 * self.recompute_seconds / self.step_seconds if self.step_seconds else 0.0
 
 
-_UNPLANNED: dict[tuple, tuple[Estimate, Trace]] = {}
-_REALISED: dict[tuple, tuple[Estimate, Trace]] = {}
+@dataclass
+class EstimateCache:
+    """Estimates of one workload, unplanned and per plan, kept by whoever plans several budgets (the
+    closed loop re-estimates the same plans); each plan_selective call makes its own by default."""
 
+    unplanned: dict[tuple, tuple[Estimate, Trace]] = field(default_factory=dict)
+    planned: dict[tuple, tuple[Estimate, Trace]] = field(default_factory=dict)
 
-def _key(workload: Workload, config: StepConfig, device: str) -> tuple:
-    return (workload.spec, workload.factory, workload.batch_size, tuple(sorted(workload.options.items())),
-            config, device)
+    @staticmethod
+    def _key(workload: Workload, config: StepConfig, device: str) -> tuple:
+        return (workload.spec, workload.factory, workload.batch_size, tuple(sorted(workload.options.items())),
+                config, device)
 
+    def estimate(self, workload: Workload, config: StepConfig, device: str) -> tuple[Estimate, Trace]:
+        key = self._key(workload, config, device)
+        if key not in self.unplanned:
+            self.unplanned[key] = estimate_and_trace(workload, config, device)
+        return self.unplanned[key]
 
-def unplanned_estimate(workload: Workload, config: StepConfig, device: str) -> tuple[Estimate, Trace]:
-    """The estimator on the unplanned model, cached per workload, config and device."""
-    key = _key(workload, config, device)
-    if key not in _UNPLANNED:
-        _UNPLANNED[key] = estimate_and_trace(workload, config, device)
-    return _UNPLANNED[key]
-
-
-def realise(workload: Workload, config: StepConfig, device: str, plan: Plan) -> tuple[Estimate, Trace]:
-    """The estimator on the model with `plan` applied, cached per plan segments."""
-    if not plan.segments:
-        return unplanned_estimate(workload, config, device)
-    key = (*_key(workload, config, device), plan.segments)
-    if key not in _REALISED:
-        _REALISED[key] = estimate_and_trace(workload, config, device, transform=lambda m: apply_plan(m, plan))
-    return _REALISED[key]
-
-
-def clear_caches() -> None:
-    _UNPLANNED.clear()
-    _REALISED.clear()
+    def realise(self, workload: Workload, config: StepConfig, device: str, plan: Plan) -> tuple[Estimate, Trace]:
+        """The estimator on the model with `plan` applied."""
+        if not plan.segments:
+            return self.estimate(workload, config, device)
+        key = (*self._key(workload, config, device), plan.segments)
+        if key not in self.planned:
+            self.planned[key] = estimate_and_trace(workload, config, device, transform=lambda m: apply_plan(m, plan))
+        return self.planned[key]
 
 
 def _segments(blocks: Sequence[BlockProfile], solution: SelectiveSolution) -> tuple[Segment, ...]:
@@ -484,15 +481,17 @@ def plan_selective(
     objective: str = "seconds",
     gpu: str = "h100",
     headroom: float = 0.005,
+    cache: EstimateCache | None = None,
 ) -> SelectiveResult:
     """The cheapest selective-recompute plan (by `objective`, "seconds" on `gpu` or "flops") whose
     re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits.
     `headroom`: the plan must fit budget x (1 - headroom) by the estimator, a margin for its error against
     the real allocator (a few KiB on the CPU at tiny sizes)."""
     started = time.perf_counter()
+    cache = cache or EstimateCache()
     target = budget_bytes - int(headroom * budget_bytes)
     spec = gpu_spec(gpu)
-    unplanned, trace = unplanned_estimate(workload, config, device)
+    unplanned, trace = cache.estimate(workload, config, device)
     candidates, blocks = profile_blocks(trace, device, gpu, config.precision)
     fixed = max(0, unplanned.peak_bytes - sum(b.activation_bytes for b in blocks))
     base_seconds = step_seconds(trace, spec, config.precision)
@@ -507,7 +506,7 @@ def plan_selective(
 
     def realised(solution: SelectiveSolution) -> tuple[Plan, Estimate, float]:
         plan = draft(solution)
-        planned, planned_trace = realise(workload, config, device, plan)
+        planned, planned_trace = cache.realise(workload, config, device, plan)
         seconds = max(0.0, step_seconds(planned_trace, spec, config.precision) - base_seconds)
         plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                        recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
@@ -572,11 +571,14 @@ def plan_selective(
         solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=rounds)
 
 
-def plan_overhead(workload: Workload, config: StepConfig, plan: Plan, device: str, gpu: str = "h100") -> tuple[float, float]:
+def plan_overhead(
+    workload: Workload, config: StepConfig, plan: Plan, device: str, gpu: str = "h100", cache: EstimateCache | None = None
+) -> tuple[float, float]:
     """(FLOPs %, roofline seconds %) of any plan (e.g. the block-level planner's), from the estimator's traces."""
     spec = gpu_spec(gpu)
-    unplanned, trace = unplanned_estimate(workload, config, device)
-    planned, planned_trace = realise(workload, config, device, plan)
+    cache = cache or EstimateCache()
+    unplanned, trace = cache.estimate(workload, config, device)
+    planned, planned_trace = cache.realise(workload, config, device, plan)
     base = step_seconds(trace, spec, config.precision)
     extra = step_seconds(planned_trace, spec, config.precision) - base
     return 100 * (planned.step_flops - unplanned.step_flops) / unplanned.step_flops, 100 * extra / base

@@ -69,11 +69,11 @@ def zoo_names() -> list[str]:
 
 # Overrides that shrink each model to CPU-test size (forward+backward well under a second)
 # while keeping its structure: same block types, grouped-query attention where the original has it.
-_TINY_GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, block_size=64, seq_len=32)
-_TINY_BERT = dict(n_layer=2, n_embd=64, n_head=4, ffn_dim=128, vocab_size=512, max_positions=64, seq_len=32)
-_TINY_LLAMA = dict(n_layer=2, n_embd=64, n_head=4, ffn_dim=128, vocab_size=512, seq_len=32)
+_TINY_GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 512, "block_size": 64, "seq_len": 32}
+_TINY_BERT = {"n_layer": 2, "n_embd": 64, "n_head": 4, "ffn_dim": 128, "vocab_size": 512, "max_positions": 64, "seq_len": 32}
+_TINY_LLAMA = {"n_layer": 2, "n_embd": 64, "n_head": 4, "ffn_dim": 128, "vocab_size": 512, "seq_len": 32}
 _TINY_LLAMA_GQA = dict(_TINY_LLAMA, n_kv_head=2)
-_TINY_RESNET = dict(width=16, num_classes=10, image_size=32)
+_TINY_RESNET = {"width": 16, "num_classes": 10, "image_size": 32}
 
 TINY_OVERRIDES: dict[str, dict] = {
     "gpt2": _TINY_GPT2,
@@ -88,8 +88,8 @@ TINY_OVERRIDES: dict[str, dict] = {
     "llama3-8b": _TINY_LLAMA_GQA,
     "resnet18": _TINY_RESNET,
     "resnet50": _TINY_RESNET,
-    "vit-b16": dict(image_size=32, patch_size=8, n_layer=2, n_embd=64, n_head=4, ffn_dim=128, num_classes=10),
-    "mlp": dict(in_features=64, hidden_size=128, num_classes=10),
-    "unet": dict(base_channels=8, depth=2, image_size=32),
-    "lstm": dict(vocab_size=512, n_embd=32, hidden_size=64, seq_len=32),
+    "vit-b16": {"image_size": 32, "patch_size": 8, "n_layer": 2, "n_embd": 64, "n_head": 4, "ffn_dim": 128, "num_classes": 10},
+    "mlp": {"in_features": 64, "hidden_size": 128, "num_classes": 10},
+    "unet": {"base_channels": 8, "depth": 2, "image_size": 32},
+    "lstm": {"vocab_size": 512, "n_embd": 32, "hidden_size": 64, "seq_len": 32},
 }

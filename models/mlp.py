@@ -1,5 +1,6 @@
 """A small multilayer-perceptron classifier (flattened 28x28 images by default)."""
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ class MLP(nn.Sequential):
     def __init__(self, config: MLPConfig):
         widths = [config.in_features] + [config.hidden_size] * config.n_layer
         layers = []
-        for d_in, d_out in zip(widths, widths[1:]):
+        for d_in, d_out in itertools.pairwise(widths):
             layers += [nn.Linear(d_in, d_out), nn.ReLU()]
         super().__init__(*layers, nn.Linear(widths[-1], config.num_classes))
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from memplan.emit import apply_plan
-from memplan.estimate import estimate
+from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
 from memplan.planner import plan_checkpoints
 from memplan.selective import (
@@ -16,7 +16,6 @@ from memplan.selective import (
     plan_selective,
     profile_blocks,
     solve_selective_chain,
-    unplanned_estimate,
 )
 from memplan.step import StepConfig
 from memplan.verify import measure
@@ -69,7 +68,7 @@ def _copy(model: nn.Module) -> nn.Module:
 
 def test_planned_selective_gradients_equal_eager():
     workload = _gpt(n_layer=2)
-    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     result = plan_selective(workload, CONFIG, int(0.7 * unplanned.peak_bytes), device="cpu")
     assert result.plan.feasible and any(s.policy == "selective" for s in result.plan.segments)
     torch.manual_seed(0)
@@ -82,7 +81,7 @@ def test_planned_selective_gradients_equal_eager():
 
 def test_selective_costs_no_more_than_block_level():
     workload = _gpt(n_layer=3)
-    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.6 * unplanned.peak_bytes)
     block = plan_checkpoints(workload, CONFIG, budget, device="cpu")
     selective = plan_selective(workload, CONFIG, budget, device="cpu", objective="flops")
@@ -93,7 +92,7 @@ def test_selective_costs_no_more_than_block_level():
 
 def test_predicted_and_measured_fit_the_budget():
     workload = _gpt(n_layer=3)
-    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.7 * unplanned.peak_bytes)
     result = plan_selective(workload, CONFIG, budget, device="cpu")
     assert result.plan.feasible
@@ -134,14 +133,14 @@ def inplace_model(batch_size: int = 8, width: int = 64, depth: int = 3):
 
 def test_inplace_mutated_outputs_are_never_saved():
     workload = Workload("inplace", inplace_model, 8, {})
-    _, trace = unplanned_estimate(workload, CONFIG, "cpu")
+    _, trace = estimate_and_trace(workload, CONFIG, "cpu")
     _, blocks = profile_blocks(trace, "cpu", "h100", "fp32")
     assert [b.path for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
     for block in blocks:
         reasons = dict(block.exclusions)
         assert "aten.addmm.default" in reasons and "aten.relu_.default" in reasons["aten.addmm.default"]
         assert all("aten.addmm.default" not in p.saved_ops for p in block.policies)
-    unplanned, _ = unplanned_estimate(workload, CONFIG, "cpu")
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     result = plan_selective(workload, CONFIG, int(0.9 * unplanned.peak_bytes), device="cpu")
     assert any(op == "aten.addmm.default" for _, op, _ in result.exclusions)
     assert all("aten.addmm.default" not in s.saved_ops for s in result.plan.segments)

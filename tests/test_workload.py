@@ -15,10 +15,10 @@ runner = CliRunner()
 
 
 def test_file_factory_builds_with_default_and_given_batch():
-    model, inputs = resolve_workload(f"{FIXTURE}:tiny").build()
+    _, inputs = resolve_workload(f"{FIXTURE}:tiny").build()
     assert inputs[0].shape == (3, 8)
     workload = resolve_workload(f"{FIXTURE}:tiny", 5, {"width": 4})
-    model, inputs = workload.build()
+    _model, inputs = workload.build()
     assert inputs[0].shape == (5, 4) and workload.effective_batch_size == 5
 
 
