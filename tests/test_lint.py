@@ -1,0 +1,14 @@
+"""The project passes its own linter (ruff, configured in pyproject.toml; installed by the test extra)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    result = subprocess.run([ruff, "check", "--quiet", str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
