@@ -15,7 +15,7 @@ from torch import nn
 
 from memplan.devices import DeviceModel, device_model
 from memplan.step import PHASES, StepConfig
-from memplan.trace import ROLES, Trace, trace_step
+from memplan.trace import ROLES, Event, Trace, trace_step
 from memplan.workload import Workload
 
 TRACED_STEPS = 2
@@ -128,7 +128,8 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
         if moment > peak:
             peak, peak_event, peak_phase, peak_step = moment, index, phase, step
 
-    for index, event in enumerate(trace.events):
+    events = _in_place_accumulation(trace)
+    for index, event in enumerate(events):  # index: the position in eager order
         if event.kind == "phase":
             phase, step = event.phase, event.step
         elif event.kind == "alloc":
@@ -157,9 +158,11 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
             timeline_live.append(dict(by_role, workspace=device.workspace_bytes * len(workspaces)))
             timeline_phases.append((phase, step))
 
-    breakdown, top = _at_event(trace, size, peak_event, peak)
+    breakdown, top = _at_event(trace, events, size, peak_event, peak)
     phase_breakdowns = {
-        p: _at_event(trace, size, phase_peak_events[p], phase_peaks[p])[0] for p in PHASES if p in phase_peak_events
+        p: _at_event(trace, events, size, phase_peak_events[p], phase_peaks[p])[0]
+        for p in PHASES
+        if p in phase_peak_events
     }
     steps = sorted(step_peaks)
     return Simulation(
@@ -178,6 +181,26 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
     )
 
 
+def _in_place_accumulation(trace: Trace) -> list[Event]:
+    """The events in eager order. Where the trace has the engine's out-of-place gradient sum
+    `old + new` and `old` is freed right after it, eager PyTorch added in place into `old`: replay
+    that free before the sum's allocation, so the two never count at once."""
+    events = list(trace.events)
+    for position, event in enumerate(events):
+        if event.kind != "alloc" or not trace.ops[event.op].accumulates_in_place:
+            continue
+        op = trace.ops[event.op]
+        size = trace.storages[event.storage].nbytes
+        for later in range(position + 1, len(events)):
+            candidate = events[later]
+            if candidate.kind != "free" or candidate.op != event.op:
+                break  # only frees that happen before the next op runs
+            if candidate.storage in op.reads and trace.storages[candidate.storage].nbytes == size:
+                events.insert(position, events.pop(later))
+                break
+    return events
+
+
 def _thread(phase: str) -> str:
     """The thread running a phase: CUDA's autograd engine runs backward on a device thread of its own."""
     return "autograd" if phase == "backward" else "main"
@@ -190,12 +213,14 @@ def _by_role(trace: Trace, size: dict[int, int], live: set[int]) -> dict[str, in
     return counts
 
 
-def _at_event(trace: Trace, size: dict[int, int], stop: int, peak: int) -> tuple[Breakdown, tuple]:
+def _at_event(
+    trace: Trace, events: list[Event], size: dict[int, int], stop: int, peak: int
+) -> tuple[Breakdown, tuple]:
     """The storages live right after event `stop`, by role; and the modules whose activations they are.
     Bytes the allocator hands out beyond the requests (scratch, library workspaces, a large block it
     does not split) count as temporaries, so that the categories add up to the peak."""
     live = {sid for sid, s in trace.storages.items() if s.allocated_by is None}
-    for event in trace.events[: stop + 1]:
+    for event in events[: stop + 1]:
         if event.kind == "alloc":
             live.add(event.storage)
         elif event.kind == "free":

@@ -55,6 +55,8 @@ class Op:
     writes: tuple[int, ...]  # storage ids its schema says it mutates in place (add_, relu_, copy_, ...)
     allocates: tuple[int, ...]  # storage ids it creates
     scratch_bytes: int  # kernel-internal scratch, allocated and freed inside the op (device rule)
+    # autograd's gradient accumulation, which eager PyTorch does in place (see _is_grad_accumulation)
+    accumulates_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,9 +224,22 @@ class _Recorder(TorchDispatchMode):
                 writes=writes,
                 allocates=tuple(allocates),
                 scratch_bytes=scratch,
+                accumulates_in_place=self._is_grad_accumulation(func),
             )
         )
         return out
+
+    def _is_grad_accumulation(self, func: Any) -> bool:
+        """The autograd engine sums two gradients of one tensor with `old.add_(new)` when it holds the
+        last reference to `old` (input_buffer.cpp, can_accumulate_inplace); a fake tensor is a tensor
+        subclass, so under tracing the engine takes the out-of-place branch instead. Such an add runs
+        in backward, outside any module (a recomputed forward runs inside one), with grad mode off."""
+        return (
+            func is torch.ops.aten.add.Tensor
+            and self.phase == "backward"
+            and self.module_stack == [""]
+            and not torch.is_grad_enabled()
+        )
 
     def _scalar(self, tensor: torch.Tensor) -> Any:
         # A data-dependent scalar: GradScaler's overflow flag reads "no overflow"; any other value

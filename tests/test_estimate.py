@@ -174,3 +174,15 @@ def test_cuda_traces_use_the_fused_attention_cuda_picks(precision, kernel):
     _, cpu_trace = estimate_and_trace(workload, StepConfig(precision=precision, optimizer="sgd"), device="cpu")
     assert not any("efficient" in op.name or op.name.startswith("aten._scaled_dot_product_flash_attention.")
                    for op in cpu_trace.ops)
+
+
+@pytest.mark.parametrize("factory", ["self_attention", "transformer_encoder"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_models_written_elsewhere_match_the_allocator(factory, precision):
+    # torch.nn's own attention and encoder layers: nothing in memplan was written for them.
+    # (tests/fixtures/user_models.py:gru_conv1d is a known gap: fp32 backward at batch 2 is 3.4% low.)
+    workload = resolve_workload(f"tests/fixtures/user_models.py:{factory}")
+    config = StepConfig(precision=precision, optimizer="adamw", steps=2)
+    predicted = estimate(workload, config, device="cpu").peak_bytes
+    measured = measure(workload, config, device="cpu").measured_peak_bytes
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
