@@ -31,7 +31,7 @@ import torch
 from tabulate import tabulate
 
 from memplan.errors import MemplanError
-from memplan.plan import Plan, Segment
+from memplan.plan import Plan
 from memplan.step import StepConfig
 from memplan.units import format_bytes
 from memplan.verify import Prediction, PredictionUnavailable, error_pct, measure, predict, resolve_device
@@ -140,30 +140,13 @@ def make_plan(
 
 
 def every_block_plan(workload: Workload, config: StepConfig, device: str) -> Plan:
-    with torch.device("meta"):
-        model, _ = workload.build()
-    lists = [(name, module) for name, module in model.named_modules() if isinstance(module, torch.nn.ModuleList)]
-    if not lists:
-        raise MemplanError(f"{workload.spec} has no block list to checkpoint")
-    name, blocks = max(lists, key=lambda item: len(item[1]))
-    segments = tuple(Segment((f"{name}.{i}",)) for i in range(len(blocks)))
-    return Plan(
-        model=workload.spec,
-        batch_size=workload.effective_batch_size,
-        precision=config.precision,
-        optimizer=config.optimizer,
-        grad_accum=config.grad_accum,
-        device=device,
-        method="every-block",
-        segments=segments,
-        feasible=True,
-        budget_bytes=None,
-        predicted_peak_bytes=0,
-        unplanned_peak_bytes=0,
-        recompute_flops=0,
-        step_flops=0,
-        options=dict(workload.options),
-    )
+    """Every candidate block checkpointed: the planner's own baseline, re-estimated."""
+    from memplan.planner import plan_checkpoints
+
+    plan = plan_checkpoints(workload, config, budget_bytes=1 << 62, device=device, method="every-block").plan
+    if not plan.segments:
+        raise MemplanError(f"{workload.spec} has no block to checkpoint")
+    return plan
 
 
 def _prediction(workload: Workload, config: StepConfig, device: str, plan: Plan | None) -> Prediction | None:
