@@ -64,10 +64,10 @@ def resolve_gpu(name: str | None, precisions: list[str], device: str) -> GpuSpec
     """The --gpu card, after warning on stderr about precisions it has no hardware for."""
     if name is None:
         return None
+    from memplan.devices import device_model
     from memplan.gpus import gpu_spec, supports_precision
 
-    if device != "cuda":
-        raise BadInput(f"--gpu describes a CUDA GPU; it cannot be used with --device {device}")
+    device_model(device, name)  # the library's checks: a known device, and --gpu only with CUDA
     gpu = gpu_spec(name)
     for precision in dict.fromkeys(precisions):
         warning = supports_precision(gpu, precision)

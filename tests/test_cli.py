@@ -67,6 +67,7 @@ def test_bad_options_exit_1_with_one_line():
         (["estimate", "gpt2", "--device", "tpu"], "unknown device 'tpu'"),
         (["estimate", "gpt2", "--grad-accum", "0"], "--grad-accum must be at least 1"),
         (["plan", "gpt2", "--budget", "lots"], "cannot read size 'lots'"),
+        (["plan", "gpt2", "--budget", "1GiB", "--method", "greedy"], "unknown method 'greedy'"),
     ]:
         result = runner.invoke(app, args)
         assert result.exit_code == 1, (args, result.output)

@@ -66,7 +66,9 @@ def test_frozen_parameters_get_no_gradient_or_state():
     assert abs(predicted.peak_bytes - measured) <= 16
     # AdamW state (exp_avg, exp_avg_sq: 2 x 4 bytes per trainable parameter, plus 4-byte step
     # counters) exists only for the second Linear: 64*8 + 8 = 520 parameters
-    assert predicted.breakdown.optimizer_state in (0, 2 * 4 * 520 + 2 * 4)
+    at_optimizer_peak = predicted.simulation.phase_breakdowns["optimizer"]
+    assert at_optimizer_peak.optimizer_state == 2 * 4 * 520 + 2 * 4
+    assert at_optimizer_peak.gradients == 4 * 520
 
 
 def test_llama2_7b_fp32_weights_are_four_bytes_per_published_parameter():
