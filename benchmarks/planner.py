@@ -2,6 +2,11 @@
 
     python benchmarks/planner.py [--models gpt2,llama2-7b] [--cuts 0.25,0.5,0.75] [--no-measure]
 
+Sizes are small enough to measure on a CPU, with activations and weights in the same proportion as at
+the zoo's own sizes (the "act/weights" column; at full size `memplan estimate MODEL --device cpu -o sgd`
+gives gpt2 43, bert-base 29, vit-b16 11, resnet18 14, unet 42, lstm 13, mlp 0: its peak holds no
+activations), since how much checkpointing can save depends on that proportion.
+
 For each model and budget: the optimal plan's predicted peak (the estimator on the checkpointed
 model), the peak `verify --device cpu` measures on that model, its recompute overhead, and the
 overhead of each baseline (every block, sqrt(n) segments, uniform segments) that also fits.
@@ -25,26 +30,32 @@ from memplan.verify import measure
 from memplan.workload import resolve_workload
 from models import TINY_OVERRIDES
 
-MODELS = ("gpt2", "bert-base", "llama2-7b", "vit-b16", "mlp", "lstm", "resnet18", "unet")
+SIZES = {  # model: (batch size, options over TINY_OVERRIDES)
+    "gpt2": (8, {"n_layer": 6, "seq_len": 128, "block_size": 128}),
+    "bert-base": (4, {"n_layer": 6, "seq_len": 128, "max_positions": 128}),
+    "llama2-7b": (8, {"n_layer": 6, "seq_len": 128}),
+    "vit-b16": (8, {"n_layer": 6, "image_size": 64}),
+    "mlp": (4, {}),
+    "lstm": (4, {"seq_len": 128}),
+    "resnet18": (32, {"image_size": 128}),
+    "unet": (2, {"image_size": 64}),
+}
 BASELINES = ("every-block", "sqrt-n", "uniform-k")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(SIZES))
     parser.add_argument("--cuts", default="0.25,0.5,0.75")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=6, help="n_layer for the transformer families")
     parser.add_argument("--no-measure", action="store_true", help="skip the CPU measurement")
     args = parser.parse_args()
     config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
     rows = []
     for name in args.models.split(","):
-        options = dict(TINY_OVERRIDES[name])
-        if "n_layer" in options:
-            options["n_layer"] = args.layers
-        workload = resolve_workload(name, args.batch, options)
+        batch, options = SIZES[name]
+        workload = resolve_workload(name, batch, {**TINY_OVERRIDES[name], **options})
         unplanned = estimate(workload, config, device="cpu")
+        ratio = f"{unplanned.breakdown.activations / unplanned.breakdown.weights:.0f}"
         for cut in (float(c) for c in args.cuts.split(",")):
             budget = int(unplanned.peak_bytes - cut * unplanned.breakdown.activations)
             started = time.perf_counter()
@@ -60,13 +71,13 @@ def main() -> None:
                 base = plan_checkpoints(workload, config, budget, device="cpu", method=method).plan
                 baseline_cells.append(f"{100 * base.recompute_flops / base.step_flops:.1f}" if base.feasible else "no fit")
             rows.append([
-                name, f"{int(cut * 100)}%", budget, plan.predicted_peak_bytes if plan.feasible else f"no fit ({plan.predicted_peak_bytes})",
+                name, ratio, f"{int(cut * 100)}%", budget, plan.predicted_peak_bytes if plan.feasible else f"no fit ({plan.predicted_peak_bytes})",
                 measured if measured is not None else "-",
                 "yes" if measured is not None and measured <= budget else ("-" if measured is None else "NO"),
                 len(plan.segments), f"{overhead:.1f}", *baseline_cells, f"{result.solution.solve_seconds:.3f}", f"{seconds:.1f}",
             ])
             print(*rows[-1], sep="\t", file=sys.stderr, flush=True)
-    headers = ["model", "cut", "budget B", "predicted B", "measured B", "measured<=budget", "segments",
+    headers = ["model", "act/weights", "cut", "budget B", "predicted B", "measured B", "measured<=budget", "segments",
                "optimal %", *(f"{b} %" for b in BASELINES), "solve s", "plan s (closed loop)"]
     print(tabulate(rows, headers=headers))
 

@@ -1,7 +1,11 @@
 """Plan activation checkpoints: the cheapest set of recompute segments whose step fits a budget.
 
-    trace -> candidate blocks (with cost-model numbers) -> solver -> Plan -> re-estimate the
-    checkpointed model under fake tensors (closed loop) -> tighten and solve again if it does not fit.
+    trace -> candidates (modules at every depth, runs of chained siblings, with cost-model numbers)
+    -> solver -> Plan -> re-estimate the checkpointed model under fake tensors (closed loop)
+    -> tighten and solve again if it does not fit.
+
+The exact solvers search the nested candidates (`nested_candidates`); the baselines checkpoint the
+outermost blocks (`candidate_blocks`), as a user would.
 
 The prediction a plan reports is always the estimator's on the checkpointed model, never the
 solver's cost model.
@@ -9,6 +13,7 @@ solver's cost model.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -18,7 +23,7 @@ from memplan.errors import DoesNotFit
 from memplan.estimate import Estimate, estimate, estimate_and_trace
 from memplan.gpus import gpu_spec, roofline_seconds
 from memplan.plan import Plan, Segment
-from memplan.solvers import SOLVERS, Block, ChainProblem, Solution
+from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
 from memplan.trace import ModuleCall, Op, Trace
 from memplan.workload import Workload
@@ -28,6 +33,7 @@ DEFAULT_GPU = "h100"  # matches memplan.devices.DEFAULT_COMPUTE_CAPABILITY
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 6
 BASELINES = ("every-block", "sqrt-n", "uniform-k")
+EXACT_METHODS = ("optimal-dp", "milp")  # these search modules at every depth; the baselines, the outermost blocks
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,8 @@ def candidate_blocks(
         if not any(call.path.startswith(kept.path + ".") for kept in outermost):
             outermost.append(call)
 
-    approximate_ops = set(trace.approximate_ops)
     forward_end = max((c.end_op for c in first_forward), default=0)
+    writers = _writers(trace)
     blocks, excluded = [], []
     previous: ModuleCall | None = None  # the call of the last block kept
     for call in outermost:
@@ -88,11 +94,9 @@ def candidate_blocks(
         if calls_per_path[call.path] > _forward_passes(trace):
             excluded.append(Excluded(call.path, "called more than once per forward"))
             continue
-        if _mutated_after(trace, call, forward_end):
-            excluded.append(Excluded(call.path, "its input or output is modified in place later in forward"))
-            continue
-        if any(op.name in approximate_ops for op in ops):
-            excluded.append(Excluded(call.path, "has outputs with data-dependent shapes"))
+        reason = _unsafe_reason(trace, writers, call, forward_end)
+        if reason:
+            excluded.append(Excluded(call.path, reason))
             continue
         saved = sum(
             block_bytes(trace.storages[sid].nbytes)
@@ -100,22 +104,168 @@ def candidate_blocks(
             for sid in op.allocates
             if trace.storages[sid].role == "activations"
         )
-        inputs = sum(
-            block_bytes(trace.storages[sid].nbytes)
-            for sid in call.inputs
-            if trace.storages[sid].role not in ("weights",)
-        )
         group = ""
         if trace.module_types.get(parent(call.path)) in CONTAINERS:
             # a run may join this block to the one before only if the parent feeds one's output
             # straight into the next (`x = block(x)`); otherwise it starts a run of its own
-            chained = before is not None and parent(before.path) == parent(call.path) and call.inputs[:1] \
-                and call.inputs[0] in before.outputs
+            chained = before is not None and parent(before.path) == parent(call.path) and _chained(before, call)
             group = blocks[-1].group if chained else f"{parent(call.path)}@{call.path}"
         seconds = sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
-        blocks.append(Block(call.path, inputs, saved, sum(op.flops for op in ops), seconds, group))
+        blocks.append(Block(call.path, _input_bytes(trace, call, block_bytes), saved, sum(op.flops for op in ops), seconds, group))
         previous = call
     return Candidates(tuple(blocks), tuple(excluded))
+
+
+@dataclass(frozen=True)
+class NestedCandidates:
+    """Candidates at every depth, as a chain of the finest units with the segments allowed over them."""
+
+    leaves: tuple[Block, ...]  # leaf modules, and the ops a module runs outside its children, in forward order
+    spans: tuple[Span, ...]  # every safe module, and every run of chained siblings in a container
+
+
+def nested_candidates(
+    trace: Trace,
+    block_bytes: Callable[[int], int] = lambda n: n,
+    seconds_of: Callable[[int, int], float] = lambda flops, bytes_moved: 0.0,
+) -> NestedCandidates:
+    """Submodules at any depth: a module, or a run of consecutive siblings that their parent chains as
+    `x = block(x)` (see _joins_run), may be one segment, on the same safety rules as `candidate_blocks`.
+    The first forward's module calls nest by their op ranges; the leaves of that tree, plus each module's
+    own ops outside its children, become the chain the solver sees."""
+    root = min(
+        (c for c in trace.calls if c.path == "" and c.phase == "forward" and c.step == 0),
+        key=lambda c: c.first_op,
+        default=None,
+    )
+    if root is None:
+        return NestedCandidates((), ())
+    passes = _forward_passes(trace)
+    calls_per_path: dict[str, int] = {}
+    for call in trace.calls:
+        if call.phase == "forward" and call.step == 0:
+            calls_per_path[call.path] = calls_per_path.get(call.path, 0) + 1
+    inside = sorted(
+        (c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path
+         and root.first_op <= c.first_op and c.end_op <= root.end_op and calls_per_path[c.path] <= passes),
+        key=lambda c: (c.first_op, -c.end_op),
+    )
+    writers = _writers(trace)
+    unsafe = {c.path: _unsafe_reason(trace, writers, c, root.end_op) for c in inside}
+    position: dict[str, int] = {}  # each module's place among its parent's children, in registration order
+    children_seen: dict[str, int] = {}
+    for path in trace.module_types:  # named_modules order
+        parent = path.rpartition(".")[0]
+        if path:
+            position[path] = children_seen.get(parent, 0)
+            children_seen[parent] = position[path] + 1
+
+    def saved_and_cost(ops: list[Op]) -> tuple[int, int, float]:
+        saved = sum(
+            block_bytes(trace.storages[sid].nbytes)
+            for op in ops
+            for sid in op.allocates
+            if trace.storages[sid].role == "activations"
+        )
+        return saved, sum(op.flops for op in ops), sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
+
+    def activation_bytes(storages) -> int:
+        return sum(block_bytes(trace.storages[sid].nbytes) for sid in storages if trace.storages[sid].role == "activations")
+
+    allocated_before = [0]  # activation bytes allocated by the ops before each op
+    for op in trace.ops:
+        allocated_before.append(allocated_before[-1] + activation_bytes(op.allocates))
+
+    leaves: list[Block] = []
+    spans: dict[tuple[int, int], Span] = {}
+
+    def add_span(first: int, last: int, head: ModuleCall, tail: ModuleCall, paths: tuple[str, ...]) -> None:
+        """The segment of modules `paths`, called from `head` to `tail` (leaves first..last). It frees what its ops allocate for backward
+        but its outputs, which whatever comes after still holds; it keeps its input, which costs extra only
+        where nothing held it for backward already."""
+        if first > last:
+            return
+        allocated = allocated_before[tail.end_op] - allocated_before[head.first_op]
+        outputs = {sid for sid in tail.outputs if head.first_op <= (trace.storages[sid].allocated_by or -1) < tail.end_op}
+        kept = {sid for sid in head.inputs if trace.storages[sid].role not in ("weights", "inputs", "activations")}
+        span = Span(first, last, sum(block_bytes(trace.storages[sid].nbytes) for sid in kept), paths,
+                    allocated - activation_bytes(outputs))
+        # two modules covering the same units (a wrapper and its only child): keep the one that frees more
+        if (first, last) not in spans or spans[(first, last)].saved_bytes - spans[(first, last)].input_bytes \
+                < span.saved_bytes - span.input_bytes:
+            spans[(first, last)] = span
+
+    def visit(call: ModuleCall, calls: list[ModuleCall]) -> tuple[int, int]:
+        """Add the leaves of `call` (whose nested calls are `calls`, in order) and its spans; its leaf range."""
+        first = len(leaves)
+        children, ranges = [], []
+        index = 0
+        while index < len(calls):
+            child = calls[index]
+            end = index + 1
+            while end < len(calls) and calls[end].end_op <= child.end_op:
+                end += 1
+            children.append(child)
+            ranges.append(visit(child, calls[index + 1 : end]))
+            index = end
+        covered = {i for child in children for i in range(child.first_op, child.end_op)}
+        own = [op for op in trace.ops[call.first_op : call.end_op] if op.index not in covered]
+        saved, flops, seconds = saved_and_cost(own)
+        if call.path and (not children or saved or flops):
+            leaves.append(Block(f"{call.path} (own ops)" if children else call.path, 0, saved, flops, seconds))
+        last = len(leaves) - 1
+        if call.path and not unsafe[call.path]:
+            add_span(first, last, call, call, (call.path,))
+        for start, head in enumerate(children):  # runs of two or more siblings, each fed the previous one
+            for end in range(start + 1, len(children)):
+                previous, member = children[end - 1], children[end]
+                if not _joins_run(previous, member, head, position):
+                    break
+                if not _unsafe_reason(trace, writers, head, root.end_op, member):
+                    paths = tuple(c.path for c in children[start : end + 1])
+                    add_span(ranges[start][0], ranges[end][1], head, member, paths)
+        return first, last
+
+    visit(root, inside)
+    return NestedCandidates(tuple(leaves), tuple(sorted(spans.values(), key=lambda s: (s.first, s.last))))
+
+
+def _joins_run(
+    previous: ModuleCall, member: ModuleCall, head: ModuleCall, position: dict[str, int]
+) -> bool:
+    """Whether `member` may extend a run that ends with `previous` (emit.py's runs): siblings registered one
+    after the other, the parent calling `member` right after `previous` (no op between) on its output and
+    with the run's other tensor arguments."""
+    parent = head.path.rpartition(".")[0]
+    return (
+        member.path.rpartition(".")[0] == parent
+        and position.get(member.path, -2) == position.get(previous.path, -3) + 1
+        and member.first_op == previous.end_op
+        and _chained(previous, member)
+        and member.inputs[1:] == head.inputs[1:]
+    )
+
+
+def _chained(previous: ModuleCall, call: ModuleCall) -> bool:
+    """The parent feeds one call's output straight into the next (`x = block(x)`)."""
+    return bool(call.inputs) and call.inputs[0] in previous.outputs
+
+
+def _unsafe_reason(
+    trace: Trace, writers: dict[int, list[int]], call: ModuleCall, forward_end: int, last: ModuleCall | None = None
+) -> str:
+    """Why recomputing this call (or the run from it to `last`) is unsafe ("" when it is safe); `writers`
+    is _writers(trace)."""
+    if _mutated_after(trace, writers, call, forward_end, last):
+        return "its input or output is modified in place later in forward"
+    approximate_ops = set(trace.approximate_ops)
+    if approximate_ops and any(op.name in approximate_ops for op in trace.ops[call.first_op : (last or call).end_op]):
+        return "has outputs with data-dependent shapes"
+    return ""
+
+
+def _input_bytes(trace: Trace, call: ModuleCall, block_bytes: Callable[[int], int]) -> int:
+    return sum(block_bytes(trace.storages[sid].nbytes) for sid in call.inputs if trace.storages[sid].role != "weights")
 
 
 def _bytes_moved(trace: Trace, op: Op) -> int:
@@ -129,16 +279,36 @@ def roofline(gpu: str | None, precision: str) -> Callable[[int, int], float]:
     return lambda flops, bytes_moved: roofline_seconds(flops, bytes_moved, spec, precision)
 
 
-def _mutated_after(trace: Trace, call: ModuleCall, forward_end: int) -> bool:
-    """A checkpoint keeps its input to recompute from, and autograd checks its output's version:
-    an in-place write to either, inside the block or after it, breaks the recomputation."""
+def _mutated_after(
+    trace: Trace, writers: dict[int, list[int]], first: ModuleCall, forward_end: int, last: ModuleCall | None = None
+) -> bool:
+    """A checkpoint keeps its input to recompute from, and autograd checks its output's version: an in-place
+    write to the input of `first`, inside the segment or after it, or to the output of `last` (the segment's
+    last module, `first` itself by default) after the segment, breaks the recomputation."""
+    last = last or first
+
+    def written(storages: set[int], start: int) -> bool:
+        for sid in storages:
+            ops = writers.get(sid, ())
+            at = bisect_left(ops, start)
+            if at < len(ops) and ops[at] < forward_end:
+                return True
+        return False
+
     def watched(storages: tuple[int, ...]) -> set[int]:
         return {sid for sid in storages if trace.storages[sid].role not in ("weights", "inputs")}
 
-    inputs, outputs = watched(call.inputs), watched(call.outputs) - set(call.inputs)
-    return any(inputs.intersection(op.writes) for op in trace.ops[call.first_op : forward_end]) or any(
-        outputs.intersection(op.writes) for op in trace.ops[call.end_op : forward_end]
-    )
+    inputs = watched(first.inputs)
+    return written(inputs, first.first_op) or written(watched(last.outputs) - inputs, last.end_op)
+
+
+def _writers(trace: Trace) -> dict[int, list[int]]:
+    """For each storage, the indices of the ops that write it in place, ascending."""
+    writers: dict[int, list[int]] = {}
+    for op in trace.ops:
+        for sid in op.writes:
+            writers.setdefault(sid, []).append(op.index)
+    return writers
 
 
 def _forward_passes(trace: Trace) -> int:
@@ -167,15 +337,29 @@ def plan_checkpoints(
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
     The result's plan has feasible=False, with the smallest peak reached, when none fits."""
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
-    candidates = candidate_blocks(trace, device_model(device, gpu).block_bytes, roofline(gpu, config.precision))
-    fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in candidates.blocks))
+    block_bytes, seconds_of = device_model(device, gpu).block_bytes, roofline(gpu, config.precision)
+    candidates = candidate_blocks(trace, block_bytes, seconds_of)
+
+    def chain(budget: int) -> ChainProblem:
+        """The outermost blocks, as the baselines checkpoint them."""
+        fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in candidates.blocks))
+        return ChainProblem(candidates.blocks, fixed, max(0, budget))
+
+    problem_at = chain
+    if method in EXACT_METHODS:
+        nested = nested_candidates(trace, block_bytes, seconds_of)
+        nested_fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in nested.leaves))
+
+        def problem_at(budget: int) -> ChainProblem:
+            """Modules at every depth and runs of chained siblings."""
+            return ChainProblem(nested.leaves, nested_fixed, max(0, budget), nested.spans)
     solver_budget = budget_bytes
     best: tuple[Plan, Estimate, Solution] | None = None
     realised: dict[tuple, tuple[Plan, Estimate]] = {}
     excess_scale = 1
     loose: int | None = None  # the last solver budget whose plan did not fit
     for _ in range(CLOSED_LOOP_ROUNDS):
-        solution = _solve(method, ChainProblem(candidates.blocks, fixed, max(0, solver_budget)))
+        solution = _solve(method, problem_at(solver_budget))
         if solution.segments in realised:
             excess_scale *= 2  # the same choice again: tighten harder
         else:
@@ -196,7 +380,7 @@ def plan_checkpoints(
         tight = solver_budget
         for _ in range(BISECTION_ROUNDS):
             middle = (loose + tight) // 2
-            solution = _solve(method, ChainProblem(candidates.blocks, fixed, max(0, middle)))
+            solution = _solve(method, problem_at(middle))
             if solution.segments not in realised:
                 realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
             plan, planned = realised[solution.segments]
@@ -206,16 +390,19 @@ def plan_checkpoints(
                     best = (plan, planned, solution)
             else:
                 loose = middle
-    if method == "optimal-dp" and candidates.blocks:
+    if method in EXACT_METHODS and candidates.blocks:
         # The cost model can be pessimistic where a baseline's real peak fits: never return a plan
-        # that recomputes more than a baseline the estimator shows fitting.
+        # that recomputes more than a baseline the estimator shows fitting, and when nothing fits,
+        # report the lowest peak any of them reached.
         for baseline in BASELINES:
-            solution = _solve(baseline, ChainProblem(candidates.blocks, fixed, budget_bytes))
+            solution = _solve(baseline, chain(budget_bytes))
             if solution.segments not in realised:
                 realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
             plan, planned = realised[solution.segments]
-            if plan.feasible and (not best[0].feasible or plan.recompute_flops < best[0].recompute_flops):
-                best = (replace(plan, method=f"optimal-dp (via {baseline})"), planned, solution)
+            cheaper = plan.feasible and (not best[0].feasible or plan.recompute_flops < best[0].recompute_flops)
+            lower = not plan.feasible and not best[0].feasible and planned.peak_bytes < best[1].peak_bytes
+            if cheaper or lower:
+                best = (replace(plan, method=f"{method} (via {baseline})"), planned, solution)
     plan, planned, solution = best
     return PlanResult(plan, unplanned, planned, candidates, solution)
 

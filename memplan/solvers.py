@@ -21,18 +21,22 @@ output, taken to be counted in the previous block's `saved_bytes` (the caller's 
 the previous block is checkpointed its `saved_bytes` drop out, so the input of a kept block right after a
 segment is counted nowhere; the caller's closed loop (re-estimate, tighten the budget) absorbs that.
 
-The cost is Σ flops (objective "flops") or Σ seconds (objective "seconds") over checkpointed blocks; both
-totals are reported whichever is minimised. When no selection fits, a solver says so (feasible=False) and
-returns the selection with the smallest modelled peak, the cheapest among those.
+The cost is Σ flops (objective "flops", ties broken by seconds: a LayerNorm costs no FLOPs but is not free
+to recompute) or Σ seconds (objective "seconds") over checkpointed blocks; both totals are reported whichever
+is minimised. When no selection fits, a solver says so (feasible=False) and returns the selection with the
+smallest modelled peak, the cheapest among those.
 
-`solve_milp` also takes a `HierarchyProblem`: nested candidates (a module and its submodules), any set of
-which may be checkpointed as long as no chosen candidate contains another. Its model has the same three terms,
-with the kept activations written as the total minus what the chosen candidates save.
+Nested candidates (a module, its submodules, runs of its children) are a chain too: the blocks are then the
+finest units (leaf modules, and what a module computes outside its children), and the problem lists the
+allowed segments explicitly as `Span`s, each a range of blocks with the module paths that one `checkpoint`
+call wraps, the input it keeps, and what it frees: its blocks' saved bytes less what stays held after it
+(its output, which the next op keeps). Chosen segments never overlap, so no checkpoint is nested in another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -63,10 +67,25 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Span:
+    """A segment the solvers may choose: blocks first..last (inclusive), checkpointed by wrapping the modules
+    `paths` (one module, or a run of siblings), keeping `input_bytes` as its boundary. `saved_bytes` is what
+    checkpointing it frees and its recomputation brings back; None: Σ saved_bytes of its blocks."""
+
+    first: int
+    last: int
+    input_bytes: int
+    paths: tuple[str, ...]
+    saved_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class ChainProblem:
     blocks: tuple[Block, ...]
     fixed_bytes: int  # everything but these blocks' activations at the peak
     budget_bytes: int
+    # the allowed segments; None: each block alone, and every run of consecutive blocks of one group
+    spans: tuple[Span, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_paths_and_bytes(self.blocks, self.fixed_bytes, self.budget_bytes)
@@ -76,39 +95,25 @@ class ChainProblem:
                 closed.add(previous.group)
             if block.group in closed:
                 raise BadInput(f"group {block.group!r} is not consecutive: it resumes at {block.path}")
+        seen: set[tuple[int, int]] = set()
+        for span in self.spans or ():
+            if not 0 <= span.first <= span.last < len(self.blocks) or min(span.input_bytes, span.saved_bytes or 0) < 0 \
+                    or not span.paths:
+                raise BadInput(f"span {span.paths}: blocks {span.first}..{span.last} or its bytes are out of range")
+            if (span.first, span.last) in seen:
+                raise BadInput(f"two spans cover blocks {span.first}..{span.last}")
+            seen.add((span.first, span.last))
 
-
-@dataclass(frozen=True)
-class Candidate:
-    """A module that may be checkpointed; its saved_bytes cover everything saved inside it, submodules included."""
-
-    path: str
-    parent_path: str | None  # the closest enclosing candidate, None for a top-level one
-    input_bytes: int
-    saved_bytes: int
-    flops: int
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class HierarchyProblem:
-    candidates: tuple[Candidate, ...]
-    fixed_bytes: int  # everything but the candidates' activations (Σ saved_bytes of top-level candidates)
-    budget_bytes: int
-
-    def __post_init__(self) -> None:
-        _check_paths_and_bytes(self.candidates, self.fixed_bytes, self.budget_bytes)
-        parents = {c.path: c.parent_path for c in self.candidates}
-        for candidate in self.candidates:
-            seen = {candidate.path}
-            parent = candidate.parent_path
-            while parent is not None:
-                if parent not in parents:
-                    raise BadInput(f"candidate {candidate.path}: parent {parent!r} is not a candidate")
-                if parent in seen:
-                    raise BadInput(f"candidate {candidate.path}: its parents form a cycle")
-                seen.add(parent)
-                parent = parents[parent]
+    @functools.cached_property
+    def allowed_spans(self) -> tuple[Span, ...]:
+        if self.spans is not None:
+            return self.spans
+        ends = _run_ends(self.blocks)
+        return tuple(
+            Span(first, last, self.blocks[first].input_bytes, tuple(b.path for b in self.blocks[first : last + 1]))
+            for first in range(len(self.blocks))
+            for last in range(first, ends[first] + 1)
+        )
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class Solution:
     optimality_gap: float | None = None  # 0.0 when proven optimal, None for heuristics
 
 
-def _check_paths_and_bytes(units: Sequence[Block | Candidate], fixed_bytes: int, budget_bytes: int) -> None:
+def _check_paths_and_bytes(units: Sequence[Block], fixed_bytes: int, budget_bytes: int) -> None:
     paths = [u.path for u in units]
     if len(set(paths)) != len(paths):
         raise BadInput("duplicate paths among the candidate blocks")
@@ -138,10 +143,18 @@ def _check_paths_and_bytes(units: Sequence[Block | Candidate], fixed_bytes: int,
 # The chain model: segments are index spans (first, last), inclusive
 
 
-def _costs(units: Sequence[Block | Candidate], objective: str) -> list[float]:
+def _costs(units: Sequence[Block], objective: str) -> list[float]:
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
-    return [getattr(u, objective) for u in units]
+    if objective == "seconds":
+        return [u.seconds for u in units]
+    # FLOPs, in units that keep the total below 2^32, plus the seconds in 2^-20ths of a unit, summing to less
+    # than one unit: the seconds only break ties, and every sum is exact in floating point (52 bits), so
+    # ties are real ties
+    unit = 2 ** max(0, math.ceil(math.log2(sum(u.flops for u in units) + 1)) - 32)
+    total_seconds = sum(u.seconds for u in units)
+    ticks = [round(u.seconds / total_seconds * 2**19) if total_seconds else 0 for u in units]
+    return [round(u.flops / unit) + tick / 2**20 for u, tick in zip(units, ticks)]
 
 
 def _run_ends(blocks: Sequence[Block]) -> list[int]:
@@ -153,10 +166,14 @@ def _run_ends(blocks: Sequence[Block]) -> list[int]:
     return ends
 
 
-def _activations(saved: Sequence[int], boundary: Sequence[int], spans: Sequence[tuple[int, int]]) -> int:
+def _activations(saved: Sequence[int], spans: Sequence[Span]) -> int:
     """The model's activation bytes at the peak: kept + segment inputs + the largest segment."""
-    inside = [sum(saved[first : last + 1]) for first, last in spans]
-    return sum(saved) - sum(inside) + sum(boundary[first] for first, _ in spans) + max(inside, default=0)
+    inside = [_freed(saved, s) for s in spans]
+    return sum(saved) - sum(inside) + sum(s.input_bytes for s in spans) + max(inside, default=0)
+
+
+def _freed(saved: Sequence[int], span: Span) -> int:
+    return sum(saved[span.first : span.last + 1]) if span.saved_bytes is None else span.saved_bytes
 
 
 def _chain_solution(
@@ -166,13 +183,13 @@ def _chain_solution(
     started: float,
     optimality_gap: float | None = None,
 ) -> Solution:
-    spans = sorted(spans)
-    chosen = [b for first, last in spans for b in problem.blocks[first : last + 1]]
-    saved, boundary = ([getattr(b, name) for b in problem.blocks] for name in ("saved_bytes", "input_bytes"))
-    peak = problem.fixed_bytes + _activations(saved, boundary, spans)
+    allowed = {(s.first, s.last): s for s in problem.allowed_spans}
+    chosen_spans = [allowed[span] for span in sorted(spans)]
+    chosen = [b for s in chosen_spans for b in problem.blocks[s.first : s.last + 1]]
+    peak = problem.fixed_bytes + _activations([b.saved_bytes for b in problem.blocks], chosen_spans)
     return Solution(
         method=method,
-        segments=tuple(tuple(b.path for b in problem.blocks[first : last + 1]) for first, last in spans),
+        segments=tuple(s.paths for s in chosen_spans),
         feasible=peak <= problem.budget_bytes,
         modelled_peak_bytes=peak,
         recompute_flops=sum(b.flops for b in chosen),
@@ -224,42 +241,47 @@ _CEILING_STEPS = 8
 
 @dataclass(frozen=True)
 class _Span:
+    first: int
     last: int
-    saved: int  # Σ saved_bytes inside: what recomputing it rematerialises
+    input: int  # the input it keeps
+    boundary: int  # what the DP adds for it: its input, and what its blocks save that it does not free
+    saved: int  # what it frees, and recomputing it rematerialises
     cost: float
     saved_index: int  # position of `saved` among the chain's thresholds
 
 
 class _Chain:
-    """The chain as the DP sees it: per-block numbers, and every segment each block may start."""
+    """The chain as the DP sees it: per-block numbers, and every segment each block may start or end."""
 
     def __init__(self, problem: ChainProblem, costs: list[float]) -> None:
         self.saved = [b.saved_bytes for b in problem.blocks]
-        self.boundary = [b.input_bytes for b in problem.blocks]
         self.costs = costs
-        ends = _run_ends(problem.blocks)
-        self.run_start: list[int] = []  # the first block a segment ending at each block may start from
-        for i in range(len(ends)):
-            self.run_start.append(self.run_start[-1] if i and ends[i - 1] >= i else i)
-        sums = [list(itertools.accumulate(self.saved[first : ends[first] + 1])) for first in range(len(costs))]
+        saved_sums = [0, *itertools.accumulate(self.saved)]
+        cost_sums = [0.0, *itertools.accumulate(costs)]
+        spans = problem.allowed_spans
         # thresholds: 0 (no segment) and every distinct segment sum, sorted; a _Span's saved_index points here
-        self.thresholds = sorted({0, *itertools.chain.from_iterable(sums)})
+        covered = [saved_sums[s.last + 1] - saved_sums[s.first] for s in spans]
+        inside = [c if s.saved_bytes is None else s.saved_bytes for s, c in zip(spans, covered)]
+        self.thresholds = sorted({0, *inside})
         index = {value: i for i, value in enumerate(self.thresholds)}
-        self.segments = [
-            [
-                _Span(first + length, saved, cost, index[saved])
-                for length, (saved, cost) in enumerate(
-                    zip(sums[first], itertools.accumulate(costs[first : ends[first] + 1]))
-                )
-            ]
-            for first in range(len(costs))
-        ]
+        self.segments: list[list[_Span]] = [[] for _ in costs]  # by first block
+        self.ending: list[list[_Span]] = [[] for _ in costs]  # by last block
+        self.by_ends: dict[tuple[int, int], _Span] = {}
+        for span, saved, held in zip(spans, inside, covered):
+            cost = cost_sums[span.last + 1] - cost_sums[span.first]
+            boundary = span.input_bytes + held - saved
+            chain_span = _Span(span.first, span.last, span.input_bytes, boundary, saved, cost, index[saved])
+            self.segments[span.first].append(chain_span)
+            self.ending[span.last].append(chain_span)
+            self.by_ends[(span.first, span.last)] = chain_span
 
     def activations(self, spans: Sequence[tuple[int, int]]) -> int:
-        return _activations(self.saved, self.boundary, spans)
+        chosen = [self.by_ends[span] for span in spans]
+        inside = [s.saved for s in chosen]
+        return sum(self.saved) - sum(inside) + sum(s.input for s in chosen) + max(inside, default=0)
 
     def cost(self, spans: Sequence[tuple[int, int]]) -> float:
-        return sum(sum(self.costs[first : last + 1]) for first, last in spans)
+        return sum(self.by_ends[span].cost for span in spans)
 
 
 def _bound_table(chain: _Chain, cost_weight: float, mem_weight: float) -> tuple[np.ndarray, np.ndarray]:
@@ -277,7 +299,7 @@ def _bound_table(chain: _Chain, cost_weight: float, mem_weight: float) -> tuple[
         for span in chain.segments[k]:
             # the segment is allowed from its own sum upwards: a suffix of the sorted thresholds
             allowed = slice(span.saved_index, None)
-            starting = cost_weight * span.cost + mem_weight * chain.boundary[k]
+            starting = cost_weight * span.cost + mem_weight * span.boundary
             np.minimum(best[allowed], starting + rest[span.last + 1][allowed], out=best[allowed])
         rest[k] = best
     total = mem_weight * np.array(chain.thresholds, dtype=float) + rest
@@ -293,7 +315,7 @@ def _selection(
     while k < len(chain.saved):
         options = [(mem_weight * chain.saved[k] + rest[k + 1][t], None)]
         options += [
-            (cost_weight * s.cost + mem_weight * chain.boundary[k] + rest[s.last + 1][t], s.last)
+            (cost_weight * s.cost + mem_weight * s.boundary + rest[s.last + 1][t], s.last)
             for s in chain.segments[k]
             if s.saved_index <= t
         ]
@@ -363,15 +385,15 @@ def _cheapest_within(
         last = after - 1
         before = frontier[last]
         moves = [(before.cost, before.mem + chain.saved[last], before.x, before.node, np.full(len(before.x), -1))]
-        for first in range(chain.run_start[last], after):
-            source, span = frontier[first], chain.segments[first][last - first]
+        for span in chain.ending[last]:
+            source = frontier[span.first]
             moves.append(
                 (
                     source.cost + span.cost,
-                    source.mem + chain.boundary[first],
+                    source.mem + span.boundary,
                     np.maximum(source.x, span.saved_index),
                     source.node,
-                    np.full(len(source.x), first),
+                    np.full(len(source.x), span.first),
                 )
             )
         cost, mem, x, parent, span_first = (np.concatenate(column) for column in zip(*moves))
@@ -438,22 +460,20 @@ def _pareto(cost: np.ndarray, mem: np.ndarray, peak: np.ndarray) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Mixed-integer linear programming (HiGHS through scipy), for chains and nested candidates
+# Mixed-integer linear programming (HiGHS through scipy): a cross-check of the DP on the same model
 
 
 @dataclass(frozen=True)
 class _Item:
-    """One choosable segment: a chain span, or one candidate of a hierarchy."""
+    """One choosable segment."""
 
     input_bytes: int
     saved_bytes: int  # Σ saved inside: leaves the kept activations when chosen, comes back while recomputed
     cost: float
-    atoms: tuple[int, ...]  # what it covers; chosen items must not share any (chain blocks, hierarchy leaves)
+    atoms: tuple[int, ...]  # the blocks it covers; chosen items must not share any
 
 
-def solve_milp(
-    problem: ChainProblem | HierarchyProblem, objective: str = "flops", time_limit_s: float | None = 60.0
-) -> Solution:
+def solve_milp(problem: ChainProblem, objective: str = "flops", time_limit_s: float | None = 60.0) -> Solution:
     """The cheapest fitting selection by MILP; optimality_gap is HiGHS's relative gap (0.0: proven optimal,
     more when it stopped at the time limit, per solve, with the best selection found).
 
@@ -469,12 +489,9 @@ def solve_milp(
     except ImportError:
         raise BadInput("the MILP solver needs scipy: pip install scipy") from None
     started = time.perf_counter()
-    if isinstance(problem, ChainProblem):
-        spans, items, base = _chain_items(problem, _costs(problem.blocks, objective))
-    else:
-        spans, items, base = None, *_hierarchy_items(problem, _costs(problem.candidates, objective))
+    spans, items, base = _chain_items(problem, _costs(problem.blocks, objective))
     if not items:
-        return _milp_solution(problem, spans, [], started, 0.0)
+        return _chain_solution(problem, "milp", [], started, 0.0)
     m = len(items)
     # bytes in power-of-two units (exact in floating point) that keep coefficients below 2^20 for HiGHS;
     # costs scaled up only, so that HiGHS's absolute gap (1e-6) stays far below any real cost difference
@@ -524,7 +541,7 @@ def solve_milp(
         reached = sum(items[s].input_bytes - items[s].saved_bytes for s in lowest)
         reached += max((items[s].saved_bytes for s in lowest), default=0)
         result, chosen = solve(cost_row, reached)
-    return _milp_solution(problem, spans, chosen, started, getattr(result, "mip_gap", None))
+    return _chain_solution(problem, "milp", [spans[s] for s in chosen], started, getattr(result, "mip_gap", None))
 
 
 @contextlib.contextmanager
@@ -543,62 +560,10 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 def _chain_items(problem: ChainProblem, costs: list[float]) -> tuple[list[tuple[int, int]], list[_Item], int]:
     spans, items = [], []
-    for first, starts in enumerate(_Chain(problem, costs).segments):
-        for span in starts:
-            spans.append((first, span.last))
-            items.append(
-                _Item(problem.blocks[first].input_bytes, span.saved, span.cost, tuple(range(first, span.last + 1)))
-            )
+    for span in _Chain(problem, costs).by_ends.values():
+        spans.append((span.first, span.last))
+        items.append(_Item(span.input, span.saved, span.cost, tuple(range(span.first, span.last + 1))))
     return spans, items, sum(b.saved_bytes for b in problem.blocks)
-
-
-def _hierarchy_items(problem: HierarchyProblem, costs: list[float]) -> tuple[list[_Item], int]:
-    """One item per candidate; its atoms are the leaves below it, so two items overlap exactly when one
-    candidate contains the other."""
-    candidates = problem.candidates
-    children: dict[str | None, list[int]] = {}
-    for index, candidate in enumerate(candidates):
-        children.setdefault(candidate.parent_path, []).append(index)
-    leaves = [index for index, c in enumerate(candidates) if c.path not in children]
-    leaf_atom = {leaf: atom for atom, leaf in enumerate(leaves)}
-
-    def leaves_below(index: int) -> tuple[int, ...]:
-        if index in leaf_atom:
-            return (leaf_atom[index],)
-        return tuple(a for child in children[candidates[index].path] for a in leaves_below(child))
-
-    items = [_Item(c.input_bytes, c.saved_bytes, costs[i], leaves_below(i)) for i, c in enumerate(candidates)]
-    return items, sum(candidates[index].saved_bytes for index in children.get(None, []))
-
-
-def _milp_solution(
-    problem: ChainProblem | HierarchyProblem,
-    spans: list[tuple[int, int]] | None,
-    chosen: list[int],
-    started: float,
-    optimality_gap: float | None,
-) -> Solution:
-    if spans is not None:
-        return _chain_solution(problem, "milp", [spans[s] for s in chosen], started, optimality_gap)
-    picked = [problem.candidates[s] for s in chosen]
-    top_level = sum(c.saved_bytes for c in problem.candidates if c.parent_path is None)
-    peak = (
-        problem.fixed_bytes
-        + top_level
-        - sum(c.saved_bytes for c in picked)
-        + sum(c.input_bytes for c in picked)
-        + max((c.saved_bytes for c in picked), default=0)
-    )
-    return Solution(
-        method="milp",
-        segments=tuple((c.path,) for c in picked),
-        feasible=peak <= problem.budget_bytes,
-        modelled_peak_bytes=peak,
-        recompute_flops=sum(c.flops for c in picked),
-        recompute_seconds=sum(c.seconds for c in picked),
-        solve_seconds=time.perf_counter() - started,
-        optimality_gap=optimality_gap,
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -611,6 +576,7 @@ def no_checkpoint(problem: ChainProblem, objective: str = "flops") -> Solution:
 
 def every_block(problem: ChainProblem, objective: str = "flops") -> Solution:
     started = time.perf_counter()
+    _require_groups(problem, "every-block")
     return _chain_solution(problem, "every-block", [(i, i) for i in range(len(problem.blocks))], started)
 
 
@@ -618,6 +584,7 @@ def sqrt_n(problem: ChainProblem, objective: str = "flops") -> Solution:
     """Chen et al. 2016 ("Training deep nets with sublinear memory cost"): segments of about √n consecutive
     blocks, all checkpointed; a segment that would cross a group boundary is split there."""
     started = time.perf_counter()
+    _require_groups(problem, "sqrt-n")
     n = len(problem.blocks)
     length = max(1, round(math.sqrt(n)))
     pieces = [(first, min(first + length, n) - 1) for first in range(0, n, length)]
@@ -628,11 +595,18 @@ def uniform_k(problem: ChainProblem, k: int, objective: str = "flops") -> Soluti
     """What torch.utils.checkpoint.checkpoint_sequential(blocks, k) does: k segments of n // k blocks, the first
     k - 1 checkpointed and the last (with the remainder) run normally; split at group boundaries."""
     started = time.perf_counter()
+    _require_groups(problem, "uniform-k")
     if k < 1:
         raise BadInput(f"uniform-k needs k >= 1, got {k}")
     size = len(problem.blocks) // k
     pieces = [(first, first + size - 1) for first in range(0, size * (k - 1), size)] if size else []
     return _chain_solution(problem, "uniform-k", _split_at_groups(problem, pieces), started)
+
+
+def _require_groups(problem: ChainProblem, method: str) -> None:
+    """The baselines checkpoint whole blocks of one chain, as their users do; they take no explicit spans."""
+    if problem.spans is not None:
+        raise BadInput(f"{method} takes a chain of blocks (groups), not explicit spans")
 
 
 def _split_at_groups(problem: ChainProblem, pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -650,7 +624,7 @@ def _split_at_groups(problem: ChainProblem, pieces: list[tuple[int, int]]) -> li
 
 
 def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
-    """Every selection, depth first: at each block, keep it or start a segment of any allowed length there.
+    """Every selection, depth first: at each block, keep it or start any allowed segment there.
     Memory, largest segment and cost are carried along, so each selection costs O(1) beyond its parent."""
     started = time.perf_counter()
     blocks = problem.blocks
@@ -658,7 +632,9 @@ def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
     if n > BRUTE_FORCE_MAX_BLOCKS:
         raise BadInput(f"brute force takes at most {BRUTE_FORCE_MAX_BLOCKS} blocks, got {n}")
     costs = _costs(blocks, objective)
-    ends = _run_ends(blocks)
+    starting: list[list[Span]] = [[] for _ in blocks]
+    for span in problem.allowed_spans:
+        starting[span.first].append(span)
     headroom = problem.budget_bytes - problem.fixed_bytes
     # fitting selections rank first, by (cost, peak); the others by (peak, cost)
     best_rank: tuple = (2,)
@@ -673,11 +649,11 @@ def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
                 best_rank, best_spans = rank, spans
             return
         visit(k + 1, mem + blocks[k].saved_bytes, largest, cost, spans)
-        saved, extra = 0, 0.0
-        for last in range(k, ends[k] + 1):
-            saved += blocks[last].saved_bytes
-            extra += costs[last]
-            visit(last + 1, mem + blocks[k].input_bytes, max(largest, saved), cost + extra, (*spans, (k, last)))
+        for span in starting[k]:
+            saved = _freed([b.saved_bytes for b in blocks], span)
+            held = sum(b.saved_bytes for b in blocks[span.first : span.last + 1]) - saved  # saved inside, not freed
+            extra = sum(costs[span.first : span.last + 1])
+            visit(span.last + 1, mem + span.input_bytes + held, max(largest, saved), cost + extra, (*spans, (k, span.last)))
 
     visit(0, 0, 0, 0.0, ())
     return _chain_solution(problem, "brute-force", best_spans, started, optimality_gap=0.0)

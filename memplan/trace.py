@@ -59,6 +59,19 @@ class Op:
     accumulates_in_place: bool = False
 
 
+def _rnn_layer_flops(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, *_) -> int:
+    """One RNN layer's forward: the input and hidden matrix products at every step, 2 FLOPs per multiply-add."""
+    return 2 * (input.numel() // input.shape[-1]) * (w_ih.numel() + w_hh.numel())
+
+
+# FLOP formulas for ops that torch.utils.flop_counter has none for, by the same convention (its registry first)
+MORE_FLOPS = {
+    torch.ops.aten.mkldnn_rnn_layer: _rnn_layer_flops,
+    # gradients of the input and of both weights: twice the forward's products
+    torch.ops.aten.mkldnn_rnn_layer_backward: lambda *args: 2 * _rnn_layer_flops(*args),
+}
+
+
 @dataclass(frozen=True)
 class Storage:
     id: int
@@ -212,6 +225,8 @@ class _Recorder(TorchDispatchMode):
         flops = 0
         if func._overloadpacket in flop_registry:
             flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+        elif func._overloadpacket in MORE_FLOPS:
+            flops = int(MORE_FLOPS[func._overloadpacket](*args))
         self.ops.append(
             Op(
                 index=index,

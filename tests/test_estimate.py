@@ -188,3 +188,18 @@ def test_models_written_elsewhere_match_the_allocator(factory, precision):
     predicted = estimate(workload, config, device="cpu").peak_bytes
     measured = measure(workload, config, device="cpu").measured_peak_bytes
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_lstm_flops_count_both_matrix_products_per_step():
+    # torch.utils.flop_counter has no formula for RNN kernels; memplan's: 2 FLOPs per multiply-add of the
+    # input and hidden products at every step (forward), twice that in backward (input and weight grads)
+    from memplan.estimate import estimate_and_trace
+    from memplan.workload import Workload
+
+    def build(batch_size):
+        return nn.LSTM(8, 16, batch_first=True), (torch.randn(batch_size, 5, 8),)
+
+    _, trace = estimate_and_trace(Workload("lstm", build, 2, {}), StepConfig("fp32", "sgd", steps=1), "cpu")
+    rnn = {op.name: op.flops for op in trace.ops if "rnn_layer" in op.name}
+    forward = 2 * (2 * 5) * (4 * 16 * 8 + 4 * 16 * 16)
+    assert rnn == {"aten.mkldnn_rnn_layer.default": forward, "aten.mkldnn_rnn_layer_backward.default": 2 * forward}

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from memplan.estimate import estimate, estimate_and_trace
-from memplan.planner import candidate_blocks, max_batch, plan_checkpoints
+from memplan.planner import candidate_blocks, max_batch, nested_candidates, plan_checkpoints
 from memplan.step import StepConfig
 from memplan.verify import measure
 from memplan.workload import resolve_workload
@@ -162,3 +162,53 @@ def test_blocks_not_chained_by_their_parent_never_form_a_run():
     _, trace = estimate_and_trace(workload, CONFIG, device="cpu")
     downs = [b for b in candidate_blocks(trace).blocks if b.path.startswith("downs.")]
     assert len(downs) >= 2 and len({b.group for b in downs}) == len(downs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Candidates at every depth
+
+
+def _leaf_owner(leaf: str) -> str:
+    return leaf.removesuffix(" (own ops)")
+
+
+def _spans_by_paths(trace):
+    nested = nested_candidates(trace)
+    return nested, {span.paths: span for span in nested.spans}
+
+
+def test_nested_candidates_reach_every_depth_and_cover_exactly_their_modules():
+    _, trace = estimate_and_trace(_gpt(4), CONFIG, device="cpu")
+    nested, spans = _spans_by_paths(trace)
+    for paths in [("h.0.attn",), ("h.1.mlp.c_fc",), ("h.0",), ("h.0", "h.1", "h.2"), ("h.2.ln_1", "h.2.attn")]:
+        assert paths in spans, paths
+    # ln_2 reads the residual sum, not attn's output: the block does not chain them
+    assert ("h.0.attn", "h.0.ln_2") not in spans
+    leaves = [_leaf_owner(leaf.path) for leaf in nested.leaves]
+
+    def inside(leaf: str, paths: tuple[str, ...]) -> bool:
+        return any(leaf == path or leaf.startswith(path + ".") for path in paths)
+
+    for span in nested.spans:
+        assert all(inside(leaf, span.paths) for leaf in leaves[span.first : span.last + 1]), span
+        assert not any(inside(leaf, span.paths) for leaf in leaves[: span.first] + leaves[span.last + 1 :]), span
+
+
+def test_a_run_may_cover_chained_children_of_any_module():
+    # resnet's stem: conv1 -> bn1 -> in-place relu -> maxpool, called by the model itself. bn1 alone may not
+    # be recomputed (the ReLU overwrites its output), but the run that contains the ReLU may.
+    workload = resolve_workload("resnet18", 2, TINY_OVERRIDES["resnet18"])
+    _, trace = estimate_and_trace(workload, CONFIG, device="cpu")
+    _, spans = _spans_by_paths(trace)
+    assert ("conv1", "bn1", "relu", "maxpool") in spans and ("bn1", "relu") in spans
+    assert ("bn1",) not in spans and ("conv1", "bn1") not in spans
+
+
+def test_nested_plan_is_no_costlier_than_the_block_level_optimum_and_fits_when_measured(gpt_unplanned):
+    budget = int(gpt_unplanned.peak_bytes - 0.25 * gpt_unplanned.breakdown.activations)
+    nested = plan_checkpoints(_gpt(), CONFIG, budget, device="cpu").plan
+    block_level = plan_checkpoints(_gpt(), CONFIG, budget, device="cpu", method="brute-force").plan
+    assert nested.feasible and block_level.feasible
+    assert nested.recompute_flops <= block_level.recompute_flops
+    assert any("." in path for path in nested.module_paths)  # something below the blocks was chosen
+    assert measure(_gpt(), CONFIG, device="cpu", plan=nested).measured_peak_bytes == nested.predicted_peak_bytes

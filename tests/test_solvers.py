@@ -1,6 +1,5 @@
 """The checkpoint solvers: exact against brute force, never worse than the baselines, groups respected."""
 
-import itertools
 import random
 import sys
 
@@ -10,9 +9,8 @@ from memplan.errors import BadInput
 from memplan.solvers import (
     SOLVERS,
     Block,
-    Candidate,
     ChainProblem,
-    HierarchyProblem,
+    Span,
     brute_force,
     every_block,
     no_checkpoint,
@@ -207,68 +205,52 @@ def test_baselines_split_segments_at_group_boundaries():
     assert sqrt_n(ChainProblem(blocks, 0, 0)).segments == (("b0", "b1"), ("b2",), ("b3",))
 
 
-def random_hierarchy(rng: random.Random, size: int) -> HierarchyProblem:
-    candidates: list[Candidate] = []
-    for i in range(size):
-        parent = rng.choice([None, *[c.path for c in candidates]])
-        candidates.append(Candidate(f"m{i}", parent, rng.randint(1, 30), 0, rng.randint(1, 100)))
-    # a candidate saves its own activations plus everything its submodules save
-    own = {c.path: rng.randint(0, 80) for c in candidates}
-    children = {c.path: [d.path for d in candidates if d.parent_path == c.path] for c in candidates}
-
-    def subtree(path: str) -> int:
-        return own[path] + sum(subtree(child) for child in children[path])
-
-    candidates = [Candidate(c.path, c.parent_path, c.input_bytes, subtree(c.path), c.flops) for c in candidates]
-    total = sum(c.saved_bytes for c in candidates if c.parent_path is None)
-    return HierarchyProblem(tuple(candidates), FIXED, FIXED + int(total * rng.choice([0.0, 0.3, 0.6, 0.9])))
+def random_spans_problem(rng: random.Random, n: int) -> ChainProblem:
+    """Blocks with an arbitrary set of allowed spans (nested, overlapping, some blocks in none), each span
+    keeping an input of its own."""
+    blocks = tuple(Block(f"b{i}", 0, rng.randint(0, 100), rng.randint(0, 100), rng.random()) for i in range(n))
+    ends = {(first, rng.randint(first, min(n - 1, first + 4))) for first in rng.choices(range(n), k=rng.randint(0, 2 * n))}
+    spans = tuple(
+        # some spans free less than their blocks save (an output that a later op keeps)
+        Span(first, last, rng.randint(1, 40), (f"s{first}-{last}",),
+             rng.choice([None, rng.randint(0, sum(b.saved_bytes for b in blocks[first : last + 1]))]))
+        for first, last in sorted(ends)
+    )
+    activations = sum(b.saved_bytes for b in blocks)
+    return ChainProblem(blocks, FIXED, FIXED + int(activations * rng.choice([0.0, 0.3, 0.6, 0.9])), spans)
 
 
-def hierarchy_brute_force(problem: HierarchyProblem) -> tuple:
-    """The best outcome over every set of candidates where none contains another."""
-    parent = {c.path: c.parent_path for c in problem.candidates}
-
-    def ancestors(path):
-        while parent[path] is not None:
-            path = parent[path]
-            yield path
-
-    total = sum(c.saved_bytes for c in problem.candidates if c.parent_path is None)
-    best = None
-    for size in range(len(problem.candidates) + 1):
-        for chosen in itertools.combinations(problem.candidates, size):
-            paths = {c.path for c in chosen}
-            if any(a in paths for c in chosen for a in ancestors(c.path)):
-                continue
-            peak = (
-                problem.fixed_bytes
-                + total
-                - sum(c.saved_bytes - c.input_bytes for c in chosen)
-                + max((c.saved_bytes for c in chosen), default=0)
-            )
-            cost = sum(c.flops for c in chosen)
-            rank = (0, cost) if peak <= problem.budget_bytes else (1, peak, cost)
-            best = rank if best is None else min(best, rank)
-    return best
+def spans_peak(problem: ChainProblem, segments) -> int:
+    """The memory model for explicit spans, written out independently of the solvers."""
+    by_paths = {span.paths: span for span in problem.spans}
+    chosen = [by_paths[segment] for segment in segments]
+    inside = [
+        sum(b.saved_bytes for b in problem.blocks[s.first : s.last + 1]) if s.saved_bytes is None else s.saved_bytes
+        for s in chosen
+    ]
+    kept = sum(b.saved_bytes for b in problem.blocks) - sum(inside)
+    return problem.fixed_bytes + kept + sum(s.input_bytes for s in chosen) + max(inside, default=0)
 
 
-def test_milp_on_nested_candidates_matches_brute_force():
+def test_dp_and_milp_on_explicit_spans_match_brute_force():
     rng = random.Random(7)
-    for _ in range(40):
-        problem = random_hierarchy(rng, rng.randint(1, 9))
-        solution = solve_milp(problem)
-        chosen = {path for segment in solution.segments for path in segment}
-        parent = {c.path: c.parent_path for c in problem.candidates}
-        for path in chosen:
-            while parent[path] is not None:
-                path = parent[path]
-                assert path not in chosen  # no chosen candidate inside another
-        rank = (
-            (0, solution.recompute_flops)
-            if solution.feasible
-            else (1, solution.modelled_peak_bytes, solution.recompute_flops)
-        )
-        assert rank == hierarchy_brute_force(problem), problem
+    for _ in range(150):
+        problem = random_spans_problem(rng, rng.randint(1, 10))
+        reference = brute_force(problem)
+        for solution in (solve_chain_dp(problem), solve_milp(problem)):
+            covered = [i for segment in solution.segments for span in problem.spans if span.paths == segment
+                       for i in range(span.first, span.last + 1)]
+            assert len(covered) == len(set(covered))  # chosen spans never overlap
+            assert solution.modelled_peak_bytes == spans_peak(problem, solution.segments)
+            assert solution.recompute_flops == sum(problem.blocks[i].flops for i in covered)
+            assert outcome(solution) == outcome(reference), problem
+
+
+def test_baselines_refuse_explicit_spans():
+    problem = ChainProblem((Block("a", 1, 1, 1),), 0, 10, (Span(0, 0, 1, ("a",)),))
+    for baseline in (every_block, sqrt_n):
+        with pytest.raises(BadInput, match="explicit spans"):
+            baseline(problem)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,10 +264,10 @@ def test_bad_inputs_are_rejected():
         ChainProblem((Block("a", 1, 1, 1), Block("a", 1, 1, 1)), 0, 0)
     with pytest.raises(BadInput, match="negative"):
         ChainProblem((Block("a", 1, -1, 1),), 0, 0)
-    with pytest.raises(BadInput, match="not a candidate"):
-        HierarchyProblem((Candidate("a", "nowhere", 1, 1, 1),), 0, 0)
-    with pytest.raises(BadInput, match="cycle"):
-        HierarchyProblem((Candidate("a", "b", 1, 1, 1), Candidate("b", "a", 1, 1, 1)), 0, 0)
+    with pytest.raises(BadInput, match="out of range"):
+        ChainProblem((Block("a", 1, 1, 1),), 0, 0, (Span(0, 1, 1, ("a",)),))
+    with pytest.raises(BadInput, match="two spans"):
+        ChainProblem((Block("a", 1, 1, 1),), 0, 0, (Span(0, 0, 1, ("a",)), Span(0, 0, 2, ("b",))))
     problem = ChainProblem(tuple(Block(f"b{i}", 1, 1, 1) for i in range(17)), 0, 100)
     with pytest.raises(BadInput, match="objective"):
         solve_chain_dp(problem, objective="joules")
