@@ -56,6 +56,11 @@ OptimizerOpt = Annotated[str, typer.Option("--optimizer", "-o", help="Optimizer.
 MethodOpt = Annotated[str, typer.Option("--method", help=f"Solver: {', '.join(SOLVERS)}.")]
 
 
+# Past this, --selective stops refining at the first plan that fits: each refinement re-traces the step
+# (seconds for a 7B model), and a plan that fits within half a minute beats a slightly cheaper one later.
+SELECTIVE_TIME_LIMIT_S = 15.0
+
+
 @handles_errors
 def plan_command(
     model: ModelArg,
@@ -68,7 +73,7 @@ def plan_command(
     device: DeviceOpt = "cuda",
     method: MethodOpt = "optimal-dp",
     selective: Annotated[
-        bool, typer.Option("--selective", help="Op-level save policies inside segments (keep matmuls, recompute the rest).")
+        bool, typer.Option("--selective", help="Op-level save policies inside segments: keep chosen op calls' outputs.")
     ] = False,
     gpu: GpuOpt = None,
     out: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
@@ -93,7 +98,8 @@ def plan_command(
         if selective:
             from memplan.selective import plan_selective
 
-            result = plan_selective(workload, config, budget_bytes, device, gpu=card.name if card else DEFAULT_GPU)
+            result = plan_selective(workload, config, budget_bytes, device, gpu=card.name if card else DEFAULT_GPU,
+                                    time_limit_s=SELECTIVE_TIME_LIMIT_S)
         else:
             result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name)
     plan = result.plan
@@ -179,8 +185,11 @@ def plan_command(
 
 
 def _kept(segment) -> str:
-    """What a selective segment keeps, as short op names ("addmm, mm"); nothing for a full one."""
-    return ", ".join(op.split(".")[1] for op in segment.saved_ops) if segment.policy == "selective" else "-"
+    """What a selective segment keeps, as short op names: "addmm#0, mm" (call 0 of addmm, every mm);
+    nothing for a full one."""
+    if segment.policy != "selective":
+        return "-"
+    return ", ".join(name.split(".")[1] + "".join(name.partition("#")[1:]) for name in segment.saved_ops)
 
 
 def _plot_before_after(path, workload, config, device, plan, budget_bytes, card, quiet) -> None:

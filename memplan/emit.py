@@ -7,13 +7,15 @@ state_dict keys stay the same, and the wrapped model still runs under FakeTensor
 checkpoints nest, so a segment may sit inside another; RNG state is preserved, so dropout draws the
 same masks when recomputed and the gradients equal the uncheckpointed model's.
 
-A run of consecutive siblings (children of an nn.Sequential, or blocks an nn.ModuleList is looped
-over) becomes ONE checkpoint without touching the parent's forward: the run's first module computes
+A run of consecutive siblings (children of an nn.Sequential, blocks an nn.ModuleList is looped
+over, or any parent's children that it chains, like a CNN's stem) becomes ONE checkpoint without
+touching the parent's forward: the run's first module computes
 the whole run, the others hand their first argument back unchanged. This assumes the parent calls
 the run's modules one after another, each with the previous one's output as its first argument and
-the same other arguments (`for block in self.blocks: x = block(x, mask)`), and uses nothing but
-the last output. The pass-through modules check by identity that they receive exactly the run's
-output and the same other arguments, and raise otherwise.
+the same other arguments (`for block in self.blocks: x = block(x, mask)`). Each member still
+returns its own output (the checkpoint returns them all), and the pass-through modules check by
+identity that they receive exactly the previous member's output and the same other arguments,
+and raise otherwise.
 
 The runtime half of this file (between the markers below) uses only PyTorch and is copied verbatim
 into emitted modules, so the library and the emitted code cannot drift apart.
@@ -21,13 +23,12 @@ into emitted modules, so the library and the emitted code cannot drift apart.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memplan.errors import BadInput
 from memplan.plan import Plan, Segment
@@ -43,8 +44,9 @@ EMIT_LINE_LENGTH = 100
 def checkpoint_segment(modules: list[nn.Module], saved_ops: list | None = None) -> None:
     """Recompute `modules` (one module, or a run of consecutive siblings) in backward.
 
-    saved_ops: None recomputes everything; a list of aten ops (torch.ops.aten.mm.default, ...)
-    keeps those ops' outputs and recomputes the rest (selective checkpointing).
+    saved_ops: None recomputes everything; otherwise the op outputs to keep, the rest being
+    recomputed (selective checkpointing): an aten op (torch.ops.aten.mm.default) keeps the outputs
+    of all its calls, (op, n) those of its n-th call (from 0) in one forward of the segment.
     """
     for module in modules:
         if is_checkpointed(module):
@@ -81,12 +83,33 @@ def _checkpoint(function, saved_ops, args, kwargs, modules):
                 for buffer, value in state:
                     buffer.copy_(value)
 
-    options = {}
-    if saved_ops is not None:
-        options["context_fn"] = functools.partial(
-            create_selective_checkpoint_contexts, list(saved_ops)
-        )
+    options = {} if saved_ops is None else {"context_fn": _keep_policy(saved_ops)}
     return checkpoint(call, *args, *kwargs.values(), use_reentrant=False, **options)
+
+
+def _keep_policy(saved_ops):
+    """checkpoint's context_fn for a selective segment: MUST_SAVE for the listed op calls,
+    PREFER_RECOMPUTE for every other op."""
+    every_call = {entry for entry in saved_ops if not isinstance(entry, tuple)}
+    one_call = {entry for entry in saved_ops if isinstance(entry, tuple)}
+
+    def context_fn():
+        # Fresh counts for each checkpoint call. checkpoint asks the policy about each op of the
+        # forward, in order, but not about those it ignores (detach, ...: SAC_IGNORED_OPS); older
+        # PyTorch asks again while recomputing (ctx.is_recompute), so each pass counts its own.
+        calls_seen = {False: {}, True: {}}
+
+        def policy(ctx, op, *args, **kwargs):
+            seen = calls_seen[bool(ctx.is_recompute)]
+            call = seen.get(op, 0)
+            seen[op] = call + 1
+            if op in every_call or (op, call) in one_call:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
 
 
 class _Checkpointed:
@@ -115,32 +138,35 @@ class _Run:
         self.forwards = [module.forward for module in modules]
         self.saved_ops = saved_ops
         self.computing = False  # inside the checkpointed function: members do their real work
-        self.waiting = None  # (next member to pass through, the run's output, other args, kwargs)
+        self.waiting = None  # (next member to pass through, all outputs, other args, kwargs)
 
     def start(self, args, kwargs):
         if not args:
             raise RuntimeError("a checkpointed run's first module needs a positional input")
         self.waiting = None
-        output = _checkpoint(self._compute, self.saved_ops, args, kwargs, self.modules)
-        self.waiting = (1, output, args[1:], kwargs)
-        return output
+        outputs = list(_checkpoint(self._compute, self.saved_ops, args, kwargs, self.modules))
+        self.waiting = (1, outputs, args[1:], kwargs)
+        return outputs[0]
 
     def _compute(self, x, *args, **kwargs):
+        # Every member's output comes back, so that each member hands out its own: the parent may
+        # use one for more than feeding the next member (its shape, a skip connection).
         self.computing = True
         try:
-            x = self.forwards[0](x, *args, **kwargs)
+            outputs = [self.forwards[0](x, *args, **kwargs)]
             for module in self.modules[1:]:
-                x = module(x, *args, **kwargs)  # through __call__, so its hooks run in order
-            return x
+                # through __call__, so its hooks run in order
+                outputs.append(module(outputs[-1], *args, **kwargs))
+            return tuple(outputs)
         finally:
             self.computing = False
 
     def pass_through(self, index, args, kwargs):
-        expected, output, other_args, other_kwargs = self.waiting or (None, None, (), {})
+        expected, outputs, other_args, other_kwargs = self.waiting or (None, None, (), {})
         same = (
             index == expected
             and len(args) == len(other_args) + 1
-            and args[0] is output
+            and args[0] is outputs[index - 1]
             and all(a is b for a, b in zip(args[1:], other_args))
             and kwargs.keys() == other_kwargs.keys()
             and all(kwargs[k] is other_kwargs[k] for k in kwargs)
@@ -153,6 +179,7 @@ class _Run:
                 "and the same other arguments; a run needs its parent to call the modules in "
                 "order, as in `for block in self.blocks: x = block(x, ...)`"
             )
+        output, outputs[index - 1] = outputs[index], None  # hold no output longer than needed
         # Drop the references once the last member has passed, so the run holds no tensors.
         self.waiting = (index + 1, *self.waiting[1:]) if index + 1 < len(self.modules) else None
         return output
@@ -176,7 +203,9 @@ class _RunMember:
 # fmt: on
 # --- end of runtime --------------------------------------------------------------------------------
 
-_RUNTIME = (checkpoint_segment, is_checkpointed, _checkpoint, _Checkpointed, _owner, _Run, _RunMember)
+_RUNTIME = (
+    checkpoint_segment, is_checkpointed, _checkpoint, _keep_policy, _Checkpointed, _owner, _Run, _RunMember
+)
 
 
 def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
@@ -214,11 +243,6 @@ def _resolve(model: nn.Module, plan: Plan, segment: Segment) -> list[nn.Module]:
         return modules
     parent_path = segment.modules[0].rpartition(".")[0]
     parent = model.get_submodule(parent_path)
-    if not isinstance(parent, (nn.Sequential, nn.ModuleList)):
-        raise BadInput(
-            f"run {_show(segment)}: the parent {parent_path!r} is a {type(parent).__name__}, "
-            "not an nn.Sequential or nn.ModuleList"
-        )
     names = list(parent._modules)
     first = names.index(segment.modules[0].rpartition(".")[2])
     if names[first : first + len(modules)] != [path.rpartition(".")[2] for path in segment.modules]:
@@ -240,19 +264,32 @@ def _check_paths(segment: Segment) -> None:
 
 
 def _saved_ops(segment: Segment) -> list | None:
-    """None for a full segment; the aten ops whose outputs a selective segment keeps."""
+    """None for a full segment; what a selective segment keeps, as checkpoint_segment takes it."""
     if segment.policy == "full":
         return None
     if segment.policy != "selective":
         raise BadInput(f"segment {_show(segment)}: unknown policy {segment.policy!r} (full or selective)")
-    return [_aten_op(name) for name in segment.saved_ops]
+    saved = []
+    for name in segment.saved_ops:
+        op_name, call = _parse_saved_op(name)
+        saved.append(_aten_op(op_name) if call is None else (_aten_op(op_name), call))
+    return saved
 
 
-def _aten_op(name: object) -> object:
+def _parse_saved_op(name: object) -> tuple[str, int | None]:
+    """("aten.mm.default", None) from "aten.mm.default" (every call), ("aten.mm.default", 2) from
+    "aten.mm.default#2" (its third call in one forward of the segment)."""
+    op_name, hash_sign, call = name.partition("#") if isinstance(name, str) else ("", "", "")
+    if hash_sign and not (call.isascii() and call.isdigit()):
+        raise BadInput(f"saved op {name!r}: the call after '#' must be a number, as in 'aten.mm.default#2'")
+    return op_name or repr(name), int(call) if hash_sign else None
+
+
+def _aten_op(name: str) -> object:
     """torch.ops.aten.mm.default from "aten.mm.default"; identifiers only, as the name goes into code."""
-    parts = name.split(".") if isinstance(name, str) else []
+    parts = name.split(".")
     if len(parts) != 3 or not all(part.isidentifier() for part in parts):
-        raise BadInput(f"saved op {name!r} is not an op name like 'aten.mm.default'")
+        raise BadInput(f"saved op {name!r} is not an op name like 'aten.mm.default' or 'aten.mm.default#2'")
     try:
         return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
     except (AttributeError, RuntimeError):
@@ -282,12 +319,17 @@ def emit_module(plan: Plan) -> str:
         + "`model = apply_checkpointing(model)` wraps the planned modules in place: module paths,\n"
         + "parameter names and state_dict keys stay the same.\n"
         + '"""\n\n'
-        + "import functools\n\n"
         + "import torch\n"
         + "from torch import nn\n"
-        + "from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts\n\n"
-        + "# (module paths, ops to keep): one path is a module, several are a run of consecutive\n"
-        + "# siblings checkpointed as one; ops None recomputes everything, a list keeps their outputs.\n"
+        + "from torch.utils.checkpoint import (\n"
+        + "    CheckpointPolicy,\n"
+        + "    checkpoint,\n"
+        + "    create_selective_checkpoint_contexts,\n"
+        + ")\n\n"
+        + "# (module paths, outputs to keep): one path is a module, several are a run of consecutive\n"
+        + "# siblings checkpointed as one. None recomputes everything; otherwise the segment keeps the\n"
+        + "# outputs of each op listed (all its calls) and of each (op, n): the op's n-th call (from 0)\n"
+        + "# in one forward of the segment, and recomputes the rest in backward.\n"
         + segments
         + "\n\n"
         + "def apply_checkpointing(model: nn.Module) -> nn.Module:\n"
@@ -319,8 +361,13 @@ def _header(plan: Plan) -> str:
 def _segment_literal(segment: Segment) -> tuple:
     """(paths, ops) as nested lists of source atoms, for _format_literal."""
     paths = [json.dumps(path) for path in segment.modules]  # double quotes, valid Python escapes
-    ops = "None" if segment.policy == "full" else [f"torch.ops.{name}" for name in segment.saved_ops]
-    return (paths, ops)
+    if segment.policy == "full":
+        return (paths, "None")
+    kept = []
+    for name in segment.saved_ops:
+        op_name, call = _parse_saved_op(name)
+        kept.append(f"torch.ops.{op_name}" if call is None else (f"torch.ops.{op_name}", str(call)))
+    return (paths, kept)
 
 
 def _format_literal(value: object, indent: int, suffix: str) -> str:

@@ -24,7 +24,8 @@ PLAN_FORMAT = 1
 class Segment:
     # module paths as in model.named_modules(); several paths = a run of consecutive siblings
     modules: tuple[str, ...]
-    # "full": recompute everything inside; "selective": keep the outputs of `saved_ops` (aten op names)
+    # "full": recompute everything inside; "selective": keep the outputs of `saved_ops`, each an aten op
+    # ("aten.mm.default": all its calls) or one call of it ("aten.mm.default#2": its third in one forward)
     policy: str = "full"
     saved_ops: tuple[str, ...] = ()
     # cost-model figures for this segment (informative; the plan's peak comes from re-estimating)

@@ -1,42 +1,58 @@
-"""Selective recompute: per checkpointed block, choose which aten ops' outputs to keep.
+"""Selective recompute: per checkpointed block, choose which op calls' outputs to keep.
 
-    trace -> candidate blocks -> per block, the aten ops whose outputs it allocates (bytes, FLOPs,
-    roofline seconds) -> a small family of save policies per block -> an exact chain DP (multiple-choice
-    knapsack with the transient of recomputing one segment at a time) -> Plan with "selective" segments
-    -> re-estimate the planned model under fake tensors (closed loop) -> tighten and solve again.
+    trace -> candidate blocks -> per block, the op calls of its forward (bytes, FLOPs, roofline seconds)
+    -> a Pareto family of save policies per block (a knapsack over the calls) -> a chain DP (multiple-
+    choice knapsack with the transient of recomputing one segment at a time) -> Plan with "selective"
+    segments -> re-estimate the planned model under fake tensors (closed loop) -> correct the model and
+    solve again; block-level plans (every block kept or fully recomputed) go through the same loop, and
+    plans of other planners may be passed in, so the plan returned is never worse than those.
 
-Semantics this models (torch.utils.checkpoint.create_selective_checkpoint_contexts): inside a selective
-segment, every call of a saved op keeps its outputs from forward until the segment's backward, whether
-or not autograd needs them; the segment's input is kept; everything else is recomputed in backward. So
-saving "aten.addmm.default" keeps the outputs of *all* addmm calls of the block (also the ones autograd
-would not save), and recomputation costs the ops that are not saved.
+Semantics this models (torch.utils.checkpoint.create_selective_checkpoint_contexts with a policy
+function, see memplan.emit._keep_policy): inside a selective segment, each saved op call keeps its
+outputs from forward until the segment's backward, whether or not autograd needs them; the segment's
+input is kept; every other op of the segment's forward runs again in backward. A saved call is named
+"aten.addmm.default#2": the third call of addmm in one forward of the block, counting only the ops the
+runtime's policy sees (not SAC_IGNORED_OPS, such as detach); a plain "aten.addmm.default" keeps every
+call of it. Recomputation costs the ops not saved (views and in-place ops included).
 
 The memory model, per block j and policy P (bytes rounded as the device allocates them):
 
-    contrib_j   bytes held from block j's forward until its backward: for a kept block, the activations it
-                allocates and its outputs; for a checkpointed one, the cached outputs of P and its outputs
-                (the next block's input, or what follows the chain; the block's own input is the previous
-                block's output, counted there, or in `fixed` for the first block)
-    transient_j activations the block's recomputation recreates (its activations not already held)
+    contrib_j    bytes held from block j's forward until its backward: for a kept block, the activations
+                 it allocates and its outputs; for a checkpointed one, the outputs of P's calls and its
+                 own outputs (its input is the previous block's output, counted there or in `fixed`)
+    transient_j  activations the block's recomputation recreates (its activations not already held)
+    grads_j      gradients the backward of the blocks after j has allocated when j is recomputed
+    residue_j    what a checkpointed forward still holds when the forward ends beyond contrib_j (autocast's
+                 weight casts), learnt from the re-estimated plans
 
-    peak = fixed + max( Σ_j contrib_j ,  max_j ( Σ_{i<=j} contrib_i + transient_j ) )
+    backward peak = max( fixed + Σ_j contrib_j ,  max_j ( recompute_fixed + Σ_{i<=j} contrib_i
+                                                           + transient_j + grads_j ) )
+    forward peak  = forward_fixed + max_j ( Σ_{i<j} (contrib_i + residue_i) + allocated_j )
 
-since by the time segment j is recomputed in backward, blocks after j have released theirs. A run of
-consecutive blocks of one container may also be one fully recomputed segment (as the block-level planner
-does), so every block-level plan is in this search space. `fixed` is the unplanned peak minus Σ contrib
-of all-kept blocks; the estimator's re-run on the planned model is the reported truth.
+`fixed` is the unplanned peak less the blocks' activations; `recompute_fixed` that less the temporaries
+the peak holds (the loss's, gone by then); `forward_fixed` the same for the forward phase's peak. A run
+of consecutive blocks of one container may also be one fully recomputed segment, so every block-level
+plan is in this search space. The model is a model: the estimator's re-run on the planned model is the
+reported truth, and where a plan does not fit, the closed loop adds the excess to the fixed bytes of
+the phase that peaked.
 
-Cached tensors mutated in place are excluded at plan time: an op whose output storage is later read by
-an in-place op (name ending in "_", no allocation) in the same forward is never saved.
+Optimality: a family is the Pareto set (held bytes, transient bytes, cost) of a 0/1 knapsack over the
+block's calls on a grid of 1/GRID of its bytes (at most MAX_POLICIES kept). Over the families, the chain
+DP is exact at a resolution of 1 byte; by default it merges states within room/1024 bytes and reports
+the gap to a proven lower bound (see solve_selective_chain).
+
+Cached tensors mutated in place are excluded at plan time: a call whose output storage an op's schema
+says it writes later in the same forward (relu_, bernoulli_, the next block's +=) is never saved.
 """
-
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from memplan.devices import device_model
 from memplan.emit import apply_plan
@@ -53,37 +69,19 @@ from memplan.workload import Workload
 OBJECTIVES = ("seconds", "flops")
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 3
+GRID = 32  # knapsack resolution: 1/GRID of a block's bytes, per byte dimension
+MAX_POLICIES = 24  # per block, after Pareto pruning (thinned evenly along held bytes beyond that)
 
-MATMUL_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "matmul", "linear", "convolution", "_convolution",
-    "mkldnn_convolution", "cudnn_convolution", "_int_mm", "addbmm",
-})
-ATTENTION_MARKERS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
-
-
-def op_category(name: str) -> str:
-    """"matmul", "attention" or "pointwise" (everything else: pointwise, norms, dropout, casts, copies)."""
-    parts = name.split(".")
-    base = parts[1] if len(parts) == 3 else name
-    if base in MATMUL_OPS:
-        return "matmul"
-    if any(marker in base for marker in ATTENTION_MARKERS):
-        return "attention"
-    return "pointwise"
-
-
-def is_inplace(op: Op) -> bool:
-    parts = op.name.split(".")
-    return len(parts) == 3 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_") \
-        and not op.allocates
+# ops the runtime's selective-checkpoint policy never sees, so they neither count nor can be kept
+_POLICY_BLIND = frozenset(str(op) for op in SAC_IGNORED_OPS)
 
 
 def op_seconds(op: Op, trace: Trace, gpu: GpuSpec, precision: str) -> float:
     """Roofline time of one op: FLOPs at peak, bytes moved ≈ 2 x its output bytes (an in-place op: the
-    storage it writes, taken as the largest it reads)."""
+    storage it writes)."""
     out = sum(trace.storages[s].nbytes for s in op.allocates)
-    if not op.allocates and is_inplace(op) and op.reads:
-        out = max(trace.storages[s].nbytes for s in op.reads)
+    if not op.allocates and op.writes:
+        out = max(trace.storages[s].nbytes for s in op.writes)
     return roofline_seconds(op.flops, 2 * out, gpu, precision)
 
 
@@ -91,34 +89,33 @@ def step_seconds(trace: Trace, gpu: GpuSpec, precision: str, step: int = 0) -> f
     return sum(op_seconds(op, trace, gpu, precision) for op in trace.ops if op.step == step)
 
 
-def step_flops(trace: Trace, step: int = 0) -> int:
-    return sum(op.flops for op in trace.ops if op.step == step)
-
-
 # --------------------------------------------------------------------------------------------------
-# What each block's ops allocate
+# What each block's op calls allocate
 
 
 @dataclass(frozen=True)
-class OpGroup:
-    """All calls of one aten op inside one block's forward."""
+class SavedCall:
+    """One op call of a block's forward that allocates, as a save policy may keep it."""
 
-    name: str  # "aten.addmm.default"
-    category: str  # matmul, attention, pointwise
-    calls: int
-    cache_bytes: int  # what saving it keeps: every output of every call
-    needed_bytes: int  # of those, the bytes autograd saves anyway (role "activations")
-    flops: int  # recompute FLOPs when not saved
-    seconds: float  # roofline recompute time when not saved
-    excluded: str = ""  # why it may not be saved ("" = it may)
+    name: str  # "aten.addmm.default#2": the op and which of its calls (from 0) in one forward
+    module: str  # the innermost module running it, for people reading plans
+    held_bytes: int  # what keeping it adds to the bytes the block holds (its outputs, less the block's)
+    needed_bytes: int  # of those, the activations autograd saves: recomputation no longer recreates them
+    flops: int  # what keeping it saves in recomputation
+    seconds: float
+    excluded: str = ""  # why it may not be kept ("" = it may)
+
+    @property
+    def op(self) -> str:
+        return self.name.partition("#")[0]
 
 
 @dataclass(frozen=True)
 class Policy:
     """One way to treat a block: kept, fully recomputed, or recomputed but for `saved_ops`."""
 
-    name: str  # "keep", "full", "matmul", "matmul+attention", "greedy-3", ...
-    saved_ops: tuple[str, ...]
+    name: str  # "keep", "full", "knapsack-3", "full-run-2"
+    saved_ops: tuple[str, ...]  # call names ("aten.addmm.default#2"), or op names for all calls of an op
     contrib_bytes: int
     transient_bytes: int
     flops: int
@@ -130,16 +127,24 @@ class Policy:
 class BlockProfile:
     path: str
     group: str
-    ops: tuple[OpGroup, ...]
+    calls: tuple[SavedCall, ...]
     policies: tuple[Policy, ...]
     activation_bytes: int  # Σ activations it allocates (+ its outputs): what keeping it costs
     output_bytes: int
     flops: int
     seconds: float
+    grad_bytes: int = 0  # parameter gradients its backward allocates (0 when they outlive the step)
+    # bytes a checkpointed forward of it still holds when the forward ends, beyond its policy's
+    # contrib (autocast's cached weight casts, ...): learnt from re-estimated plans, 0 until then
+    forward_residue_bytes: int = 0
 
     @property
     def exclusions(self) -> tuple[tuple[str, str], ...]:
-        return tuple((g.name, g.excluded) for g in self.ops if g.excluded)
+        return tuple((c.name, c.excluded) for c in self.calls if c.excluded)
+
+    def block_level(self) -> BlockProfile:
+        """The same block with only the block-level choices: kept or fully recomputed."""
+        return replace(self, policies=tuple(p for p in self.policies if p.name in ("keep", "full")))
 
 
 def _first_forward_call(trace: Trace, path: str) -> ModuleCall:
@@ -156,116 +161,133 @@ def _forward_end(trace: Trace, start: int) -> int:
 
 
 def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[int], int], gpu: GpuSpec,
-                  precision: str, greedy: int = 6, exhaustive: int = 16) -> BlockProfile:
+                  precision: str, objective: str = "seconds") -> BlockProfile:
     call = _first_forward_call(trace, path)
     ops = trace.ops[call.first_op : call.end_op]
     allocated = {s for op in ops for s in op.allocates}
     activations = {s for s in allocated if trace.storages[s].role == "activations"}
     outputs = {s for s in call.outputs if s in allocated}
-    forward_end = _forward_end(trace, call.first_op)
 
     def bb(storages: set[int]) -> int:
         return sum(block_bytes(trace.storages[s].nbytes) for s in storages)
 
-    # in-place writers after each storage's allocation, to the end of this forward
+    # A kept output must not change before backward reads it back: find in-place writers up to the
+    # end of this forward (inside the block, or later, e.g. the next block's `x += ...`).
     mutated: dict[int, str] = {}
-    for op in trace.ops[call.first_op : forward_end]:
-        if is_inplace(op):
-            for s in op.reads:
-                if s in allocated and s not in mutated and trace.storages[s].allocated_by < op.index:
-                    mutated[s] = op.name
+    for op in trace.ops[call.first_op : _forward_end(trace, call.first_op)]:
+        for s in op.writes:
+            if s in allocated and s not in mutated and trace.storages[s].allocated_by < op.index:
+                mutated[s] = op.name
 
     seconds = {op.index: op_seconds(op, trace, gpu, precision) for op in ops}
-    by_name: dict[str, list[Op]] = {}
+    calls_seen: dict[str, int] = {}
+    calls = []
     for op in ops:
-        if op.allocates and not op.name.startswith("prim."):
-            by_name.setdefault(op.name, []).append(op)
-    groups = []
-    for name, calls in by_name.items():
-        storages = {s for op in calls for s in op.allocates}
-        written = sorted({mutated[s] for s in storages if s in mutated})
-        excluded = f"its output is mutated in place by {', '.join(written)} later in the forward" if written else ""
-        groups.append(OpGroup(
-            name=name, category=op_category(name), calls=len(calls), cache_bytes=bb(storages),
-            needed_bytes=bb(storages & activations), flops=sum(op.flops for op in calls),
-            seconds=sum(seconds[op.index] for op in calls), excluded=excluded,
+        if op.name in _POLICY_BLIND:
+            continue
+        position = calls_seen.get(op.name, 0)
+        calls_seen[op.name] = position + 1
+        if not op.allocates:
+            continue
+        mine = set(op.allocates)
+        written = sorted({mutated[s] for s in mine if s in mutated})
+        calls.append(SavedCall(
+            name=f"{op.name}#{position}", module=op.module,
+            held_bytes=bb(mine - outputs), needed_bytes=bb((mine & activations) - outputs), flops=op.flops,
+            seconds=seconds[op.index],
+            excluded=f"its output is mutated in place by {', '.join(written)} later in the forward" if written else "",
         ))
     total_flops = sum(op.flops for op in ops)
     total_seconds = sum(seconds.values())
     keep_bytes = bb(activations | outputs)
+    output_bytes = bb(outputs)
+    transient_all = bb(activations - outputs)
 
-    def policy(name: str, saved: Sequence[str]) -> Policy:
-        saved_set = set(saved)
-        cached = {s for op in ops if op.name in saved_set for s in op.allocates}
-        held = cached | outputs
+    def policy(name: str, saved: Sequence[SavedCall]) -> Policy:
         return Policy(
             name=name,
-            saved_ops=tuple(sorted(saved_set)),
-            contrib_bytes=bb(held),
-            transient_bytes=bb(activations - held),
-            flops=sum(op.flops for op in ops if op.name not in saved_set),
-            seconds=sum(s for i, s in seconds.items() if trace.ops[i].name not in saved_set),
+            saved_ops=_saved_names(saved, calls, calls_seen),
+            contrib_bytes=output_bytes + sum(c.held_bytes for c in saved),
+            transient_bytes=transient_all - sum(c.needed_bytes for c in saved),
+            flops=total_flops - sum(c.flops for c in saved),
+            seconds=total_seconds - sum(c.seconds for c in saved),
         )
 
-    eligible = [g for g in groups if not g.excluded]
-    families: list[tuple[str, list[str]]] = [("full", [])]
-    matmul = [g.name for g in eligible if g.category == "matmul"]
-    attention = [g.name for g in eligible if g.category == "attention"]
-    compute = [g.name for g in eligible if g.category != "pointwise" or g.flops > 0]
-    families += [("matmul", matmul), ("matmul+attention", matmul + attention), ("all-but-pointwise", compute),
-                 ("all-eligible", [g.name for g in eligible])]
-    # nested prefixes of the ops ranked by recompute time saved per byte kept
-    ranked = sorted((g for g in eligible if g.seconds > 0 or g.flops > 0),
-                    key=lambda g: -(g.seconds + 1e-18 * g.flops) / max(1, g.cache_bytes - g.needed_bytes / 2))
-    for k in range(1, min(greedy, len(ranked)) + 1):
-        families.append((f"greedy-{k}", [g.name for g in ranked[:k]]))
-    # every subset of the ops worth saving, when there are few: the Pareto-optimal ones join the family
-    worth = [g.name for g in ranked if g.seconds >= 0.01 * total_seconds or g.flops >= 0.01 * max(1, total_flops)]
-    if len(worth) <= exhaustive:
-        terms = {}
-        for g in eligible:
-            mine = {s for op in ops if op.name == g.name for s in op.allocates}
-            terms[g.name] = (bb(mine - outputs), bb((mine & activations) - outputs),
-                             g.flops, g.seconds)
-        families += _pareto_subsets(worth, terms, (bb(outputs), bb(activations - outputs), total_flops, total_seconds))
-    policies = [Policy("keep", (), keep_bytes, 0, 0, 0.0, checkpointed=False)]
-    seen: set[tuple[str, ...]] = set()
-    for name, saved in families:
-        candidate = policy(name, saved)
-        if candidate.saved_ops in seen:
-            continue
-        seen.add(candidate.saved_ops)
-        policies.append(candidate)
-    return BlockProfile(path, group, tuple(groups), tuple(policies), keep_bytes, bb(outputs), total_flops,
+    eligible = [c for c in calls if not c.excluded and (c.seconds > 0 or c.flops > 0)]
+    free = [c for c in eligible if c.held_bytes == 0]  # the block's own outputs: kept anyway
+    priced = [c for c in eligible if c.held_bytes > 0]
+    subsets = _knapsack_subsets(priced, objective, max(1, -(-transient_all // GRID)))
+    candidates = [policy(f"knapsack-{i}", free + chosen) for i, chosen in enumerate(subsets)]
+    block_level = [Policy("keep", (), keep_bytes, 0, 0, 0.0, checkpointed=False),
+                   Policy("full", (), output_bytes, transient_all, total_flops, total_seconds)]
+    # keep and full stay (the block-level choices); the others only where neither beats them
+    family = _pareto_policies(block_level + candidates, objective)
+    policies = block_level + [p for p in family if p.saved_ops]
+    return BlockProfile(path, group, tuple(calls), tuple(policies), keep_bytes, output_bytes, total_flops,
                         total_seconds)
 
 
-def _pareto_subsets(names: Sequence[str], terms: dict[str, tuple[int, int, int, float]],
-                    base: tuple[int, int, int, float], grid: int = 10) -> list[tuple[str, list[str]]]:
-    """The subsets of `names` whose policy no other subset beats in held bytes, transient bytes and both
-    costs (the only ones the chain DP could pick). Each op adds its own terms (storages belong to the op
-    that allocates them): terms[name] = (held added, transient removed, FLOPs saved, seconds saved)."""
-    k = len(names)
-    masks = np.arange(1, 1 << k, dtype=np.int64)
-    bits = ((masks[:, None] >> np.arange(k)) & 1).astype(np.float64)
-    t = np.array([terms[n] for n in names], dtype=np.float64)
-    held = base[0] + bits @ t[:, 0]
-    transient = base[1] - bits @ t[:, 1]
-    flops = base[2] - bits @ t[:, 2]
-    seconds = base[3] - bits @ t[:, 3]
-    order = np.lexsort((transient, held, flops, seconds))
-    kept: list[int] = []
-    kh, kt, kf = np.empty(0), np.empty(0), np.empty(0)
-    # epsilon-dominance on bytes (1/grid of the largest held): near-equal policies collapse into the
-    # cheapest, which keeps the family small; the DP still sees each kept policy's exact figures
-    step = max(1.0, float(held.max()) / grid)
-    qh, qt = np.ceil(held / step), np.ceil(transient / step)
-    for i in order:
-        if np.any((kh <= qh[i]) & (kt <= qt[i]) & (kf <= flops[i])):
-            continue  # sorted by seconds: an earlier kept one is no slower
-        kept.append(i)
-        kh, kt, kf = np.append(kh, qh[i]), np.append(kt, qt[i]), np.append(kf, flops[i])
-    return [(f"pareto-{j}", [n for b, n in enumerate(names) if masks[i] >> b & 1]) for j, i in enumerate(kept)]
+def _saved_names(saved: Sequence[SavedCall], calls: Sequence[SavedCall], calls_per_op: dict[str, int]) -> tuple[str, ...]:
+    """Call names in forward order; an op whose every call is kept is named once, without '#'."""
+    chosen = {c.name for c in saved}
+    kept_per_op = Counter(c.op for c in calls if c.name in chosen)
+    names: list[str] = []
+    for call in calls:
+        if call.name not in chosen:
+            continue
+        if kept_per_op[call.op] < calls_per_op[call.op]:
+            names.append(call.name)
+        elif call.op not in names:
+            names.append(call.op)
+    return tuple(names)
+
+
+def _knapsack_subsets(calls: Sequence[SavedCall], objective: str, quantum: int) -> list[list[SavedCall]]:
+    """For every reachable (needed bytes, other bytes) cell of a grid of `quantum` bytes, the subset of
+    `calls` that saves the most recomputation (by `objective`, the other cost breaking ties): a 0/1
+    knapsack with two weights, since needed bytes also shrink the recomputation's transient."""
+    if not calls:
+        return [[]]
+    needed = np.array([round(c.needed_bytes / quantum) for c in calls], dtype=np.int64)
+    other = np.array([round((c.held_bytes - c.needed_bytes) / quantum) for c in calls], dtype=np.int64)
+    primary = np.array([c.seconds if objective == "seconds" else float(c.flops) for c in calls])
+    secondary = np.array([float(c.flops) if objective == "seconds" else c.seconds for c in calls])
+    value = primary / max(primary.max(), 1e-30) + 1e-6 * secondary / max(secondary.max(), 1e-30)
+    rows, cols = int(needed.sum()) + 1, int(other.sum()) + 1
+    best = np.full((rows, cols), -np.inf)
+    best[0, 0] = 0.0
+    taken = np.zeros((len(calls), rows, cols), dtype=bool)
+    for k in range(len(calls)):
+        shifted = np.full((rows, cols), -np.inf)
+        shifted[needed[k]:, other[k]:] = best[: rows - needed[k], : cols - other[k]] + value[k]
+        taken[k] = shifted > best
+        best = np.maximum(best, shifted)
+    subsets = []
+    for a, b in zip(*np.nonzero(np.isfinite(best))):
+        chosen = []
+        for k in range(len(calls) - 1, -1, -1):
+            if taken[k, a, b]:
+                chosen.append(calls[k])
+                a, b = a - needed[k], b - other[k]
+        subsets.append(chosen[::-1])
+    return subsets
+
+
+def _pareto_policies(policies: Sequence[Policy], objective: str) -> list[Policy]:
+    """Those no other beats in held bytes, transient bytes and cost; at most MAX_POLICIES of them."""
+    def cost(p: Policy) -> float:
+        return p.seconds if objective == "seconds" else float(p.flops)
+
+    ordered = sorted(policies, key=lambda p: (cost(p), p.contrib_bytes, p.transient_bytes))
+    kept: list[Policy] = []
+    for p in ordered:
+        if not any(k.contrib_bytes <= p.contrib_bytes and k.transient_bytes <= p.transient_bytes for k in kept):
+            kept.append(p)
+    if len(kept) > MAX_POLICIES:
+        kept.sort(key=lambda p: p.contrib_bytes)
+        picks = np.unique(np.linspace(0, len(kept) - 1, MAX_POLICIES).round().astype(int))
+        kept = [kept[i] for i in picks]
+    return kept
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,102 +312,171 @@ class SelectiveSolution:
     recompute_seconds: float
     solve_seconds: float
     states_explored: int
-    optimality_gap: float = 0.0  # exact DP
+    # (cost - lower bound) / cost over the policy families: 0.0 when proven optimal, nan when nothing fits
+    optimality_gap: float = 0.0
 
 
-def _options(blocks: Sequence[BlockProfile]) -> list[list[tuple[int, Policy]]]:
-    """For each start index, (end index exclusive, policy) options: one block with any policy, or a run
-    of 2+ consecutive blocks of one group, fully recomputed."""
-    options: list[list[tuple[int, Policy]]] = []
+@dataclass(frozen=True)
+class _Option:
+    end: int  # index after the option's last block
+    policy: Policy
+    backward_above: int  # in backward, bytes above Σ contrib while it is recomputed (transient, gradients)
+    forward_held: int  # bytes it holds from its forward to the end of the forward phase
+    allocated: int  # bytes its forward allocates before dropping what it does not hold
+
+
+def _options(blocks: Sequence[BlockProfile], recompute_offset: int = 0) -> list[list[_Option]]:
+    """For each start index, its options: one block with any policy, or a run of 2+ consecutive blocks
+    of one group, fully recomputed. In backward, recomputing it adds its transient and the gradients
+    the backward of the blocks after it has allocated by then; in forward, a checkpointed block holds
+    its contrib and its forward residue until the forward ends."""
+    later_grads = np.cumsum([b.grad_bytes for b in blocks][::-1])[::-1].tolist() + [0]
+
+    def option(policy: Policy, start: int, end: int) -> _Option:
+        run = blocks[start:end]
+        residue = sum(b.forward_residue_bytes for b in run) if policy.checkpointed else 0
+        return _Option(end, policy, policy.transient_bytes + later_grads[end] + recompute_offset,
+                       policy.contrib_bytes + residue,
+                       sum(b.activation_bytes for b in run))
+
+    options: list[list[_Option]] = []
     for i, block in enumerate(blocks):
-        here = [(i + 1, p) for p in block.policies]
+        here = [option(p, i, i + 1) for p in block.policies]
         j = i + 1
         while block.group and j < len(blocks) and blocks[j].group == block.group:
             run = blocks[i : j + 1]
             everything = sum(b.activation_bytes for b in run)
-            here.append((j + 1, Policy(
-                f"full-run-{len(run)}", (), run[-1].output_bytes, everything - run[-1].output_bytes,
-                sum(b.flops for b in run), sum(b.seconds for b in run))))
+            policy = Policy(f"full-run-{len(run)}", (), run[-1].output_bytes, everything - run[-1].output_bytes,
+                            sum(b.flops for b in run), sum(b.seconds for b in run))
+            here.append(option(policy, i, j + 1))
             j += 1
         options.append(here)
     return options
 
 
 def solve_selective_chain(blocks: Sequence[BlockProfile], fixed_bytes: int, budget_bytes: int,
-                          objective: str = "seconds") -> SelectiveSolution:
-    """The cheapest policy per block (and fully recomputed runs) whose modelled peak fits; exact.
+                          objective: str = "seconds", resolution: int | None = None,
+                          forward_fixed_bytes: int | None = None, recompute_fixed_bytes: int | None = None,
+                          bound: bool = True) -> SelectiveSolution:
+    """The cheapest policy per block (and fully recomputed runs) whose modelled peak fits.
 
-    States after each block boundary are (cost, held, peak-term): Σ contrib so far, and the largest
-    Σ_{i<=j} contrib_i + transient_j so far. A state is dropped when another is no worse in all three
-    (the future adds the same to each), or when it already exceeds the room left. When nothing fits, the
-    smallest modelled peak is returned (feasible=False)."""
+    `fixed_bytes` is what the backward peak holds besides the blocks' activations; `forward_fixed_bytes`
+    the same for the forward phase's peak (None: the same), which holds more where e.g. autocast keeps
+    its casts of the weights until the forward ends; `recompute_fixed_bytes` the same while blocks are
+    recomputed later in backward (None: the same), less where the peak holds the loss's temporaries.
+
+    A DP over block boundaries; a state is (cost, held, peak-term, forward held): Σ contrib so far, the
+    largest Σ_{i<=j} contrib_i + (its backward bytes above, see _options) and Σ_{i<j} forward held_i +
+    allocated_j (+ the forward's fixed bytes less the backward's) so far, and Σ forward held so far. A state is dropped when it no longer fits, or when another
+    costs no more and is within `resolution` bytes in held and peak (default: 1/1024 of the room), which
+    bounds the states per boundary. With resolution 1 that is exact. Otherwise the dropped state's future
+    is open to its substitute with at most `resolution` more bytes per boundary, so the same DP with the
+    room widened by n x resolution costs no more than the optimum: a lower bound, and the gap reported
+    is (cost - bound) / cost (bound=False: not computed, nan). When nothing fits, the smallest modelled
+    peak is returned (feasible=False)."""
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     started = time.perf_counter()
     room = budget_bytes - fixed_bytes
-    options = _options(blocks)
-    n = len(blocks)
+    forward_offset = 0 if forward_fixed_bytes is None else forward_fixed_bytes - fixed_bytes
+    options = _options(blocks, 0 if recompute_fixed_bytes is None else recompute_fixed_bytes - fixed_bytes)
+    resolution = resolution or max(1, room // 1024)
+    found = _chain_dp(options, room, objective, resolution, forward_offset)
+    gap = 0.0
+    if found is None:
+        found = _chain_dp(options, None, objective, resolution, forward_offset)
+        gap = float("nan")
+    elif not bound:
+        gap = float("nan")
+    elif resolution > 1 and found[0] > 0:
+        bound = _chain_dp(options, room + len(blocks) * resolution, objective, resolution, forward_offset)
+        gap = max(0.0, (found[0] - bound[0]) / found[0])
+    _, held, peak, path, explored = found
+    choices = tuple(Choice(start, end - 1, policy) for start, end, policy in path if policy.checkpointed)
+    modelled = fixed_bytes + max(held, peak)
+    return SelectiveSolution(choices, modelled <= budget_bytes, modelled, sum(c.policy.flops for c in choices),
+                             sum(c.policy.seconds for c in choices), time.perf_counter() - started, explored, gap)
 
-    def cost_of(p: Policy) -> float:
-        return p.seconds if objective == "seconds" else float(p.flops)
 
-    # state: (cost, held, peak, other_cost, back) with back = (previous state, start index, policy)
-    frontier: list[list[tuple]] = [[] for _ in range(n + 1)]
-    frontier[0] = [(0.0, 0, 0, 0.0, None)]
+def _chain_dp(options: list[list[_Option]], room: int | None, objective: str, resolution: int,
+              forward_offset: int) -> tuple[float, int, int, list[tuple[int, int, Policy]], int] | None:
+    """(cost, held, peak, [(start, end, policy)], states explored) of the cheapest chain within `room`,
+    None if none fits; room None: the smallest max(held, peak) instead, cheapest among those."""
+    n = len(options)
+    # per boundary: arrays cost, held, peak, forward held, and where each came from (boundary, state, option)
+    pending: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n + 1)]
+    zero = np.zeros(1, dtype=np.int64)
+    pending[0].append((np.zeros(1), zero, zero, zero, zero - 1, zero - 1, zero - 1))
+    frontiers: list[tuple[np.ndarray, ...] | None] = [None] * (n + 1)
     explored = 0
-    # fallback when nothing fits: track the smallest peak, with pruning disabled on room
-    for relax in (False, True):
-        frontier = [[] for _ in range(n + 1)]
-        frontier[0] = [(0.0, 0, 0, 0.0, None)]
-        for i in range(n):
-            if not frontier[i]:
-                continue
-            frontier[i] = _pareto(frontier[i], by_peak=relax)
-            for state in frontier[i]:
-                cost, held, peak, other, _ = state
-                for end, policy in options[i]:
-                    new_held = held + policy.contrib_bytes
-                    new_peak = max(peak, new_held + policy.transient_bytes)
-                    explored += 1
-                    if not relax and max(new_held, new_peak) > room:
-                        continue
-                    other_cost = float(policy.flops) if objective == "seconds" else policy.seconds
-                    frontier[end].append((cost + cost_of(policy), new_held, new_peak, other + other_cost,
-                                          (state, i, policy)))
-        finals = frontier[n]
-        if finals:
+    for i in range(n + 1):
+        if not pending[i]:
+            continue
+        columns = [np.concatenate(parts) for parts in zip(*pending[i])]
+        keep = _undominated(*columns[:4], resolution, by_peak=room is None)
+        frontiers[i] = tuple(column[keep] for column in columns)
+        if i == n:
             break
-    if not relax:
-        best = min(finals, key=lambda s: (s[0], max(s[1], s[2])))
-    else:
-        best = min(finals, key=lambda s: (max(s[1], s[2]), s[0]))
-    choices = []
-    state = best
-    while state[4] is not None:
-        previous, start, policy = state[4]
-        end = next(e for e, p in options[start] if p is policy)
-        if policy.checkpointed:
-            choices.append(Choice(start, end - 1, policy))
-        state = previous
-    choices.reverse()
-    peak = fixed_bytes + max(best[1], best[2])
-    flops = sum(c.policy.flops for c in choices)
-    seconds = sum(c.policy.seconds for c in choices)
-    return SelectiveSolution(tuple(choices), peak <= budget_bytes, peak, flops, seconds,
-                             time.perf_counter() - started, explored, 0.0 if not relax else float("nan"))
+        cost, held, peak, forward = (column[:, None] for column in frontiers[i][:4])
+        here = options[i]
+        o_cost = np.array([o.policy.seconds if objective == "seconds" else float(o.policy.flops) for o in here])
+        o_contrib = np.array([o.policy.contrib_bytes for o in here], dtype=np.int64)
+        o_above = np.array([o.backward_above for o in here], dtype=np.int64)
+        o_forward = np.array([o.forward_held for o in here], dtype=np.int64)
+        o_allocated = np.array([o.allocated for o in here], dtype=np.int64)
+        o_end = np.array([o.end for o in here])
+        new_cost = cost + o_cost
+        new_held = held + o_contrib
+        new_forward = forward + o_forward
+        new_peak = np.maximum(np.maximum(peak, new_held + o_above), forward + o_allocated + forward_offset)
+        explored += new_cost.size
+        fits = np.ones(new_cost.shape, dtype=bool) if room is None else np.maximum(new_held, new_peak) <= room
+        for end in np.unique(o_end):
+            s, o = np.nonzero(fits & (o_end == end)[None, :])
+            if len(s):
+                pending[end].append((new_cost[s, o], new_held[s, o], new_peak[s, o], new_forward[s, o],
+                                     np.full(len(s), i), s, o))
+    final = frontiers[n]
+    if final is None or not len(final[0]):
+        return None
+    cost, held, peak = final[:3]
+    top = np.maximum(held, peak)
+    best = int(np.lexsort((top, cost))[0] if room is not None else np.lexsort((cost, top))[0])
+    path = []
+    boundary, state = n, best
+    while boundary > 0:
+        back_i, back_s, back_o = frontiers[boundary][4:]
+        start, previous, option = int(back_i[state]), int(back_s[state]), int(back_o[state])
+        path.append((start, boundary, options[start][option].policy))
+        boundary, state = start, previous
+    path.reverse()
+    return float(cost[best]), int(held[best]), int(peak[best]), path, explored
 
 
-def _pareto(states: list[tuple], by_peak: bool = False) -> list[tuple]:
-    """Drop states another is no worse than in cost, held and peak."""
-    if by_peak:  # fallback mode: minimise the peak first, cost second
-        states.sort(key=lambda s: (max(s[1], s[2]), s[0]))
-    else:
-        states.sort(key=lambda s: (s[0], s[1], s[2]))
-    kept: list[tuple] = []
-    for s in states:
-        if not any(k[0] <= s[0] and k[1] <= s[1] and k[2] <= s[2] for k in kept):
-            kept.append(s)
-    return kept
+def _undominated(cost: np.ndarray, held: np.ndarray, peak: np.ndarray, forward: np.ndarray, resolution: int,
+                 by_peak: bool) -> np.ndarray:
+    """Indices of the states to keep: none other costs no more with held, peak and forward held in no
+    higher cell of `resolution` bytes. by_peak (nothing fits): the smallest max(held, peak) first, bytes
+    alone decide."""
+    q_held, q_peak = -(-held // resolution), -(-peak // resolution)
+    q_extra = -(-(forward - held) // resolution)  # forward held beyond held: the forward residues
+    order = np.lexsort((q_peak, q_held, cost)) if not by_peak else np.lexsort((cost, np.maximum(q_held, q_peak)))
+    # the cheapest state of each cell
+    cells = (q_held[order] * (int(q_peak.max()) + 1) + q_peak[order]) * (int(q_extra.max()) + 1) + q_extra[order]
+    _, first = np.unique(cells, return_index=True)
+    order = order[np.sort(first)]
+    # a running minimum of peak over kept states with held <= h and forward residues <= e, per residue
+    # level e present (few: sums of the residues of checkpointed blocks)
+    levels, level_of = np.unique(q_extra, return_inverse=True)
+    lowest_peak = np.full((len(levels), int(q_held.max()) + 1), np.iinfo(np.int64).max)
+    kept = []
+    for index in order:
+        e, h, p = level_of[index], q_held[index], q_peak[index]
+        if lowest_peak[e, h] <= p:
+            continue
+        kept.append(index)
+        np.minimum(lowest_peak[e:, h:], p, out=lowest_peak[e:, h:])
+    return np.array(kept, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,9 +493,9 @@ class SelectiveResult:
     planned: Estimate
     candidates: Candidates
     solution: Solution
-    selective: SelectiveSolution
+    selective: SelectiveSolution | None  # None when the plan returned is a baseline passed in
     blocks: tuple[BlockProfile, ...]
-    exclusions: tuple[tuple[str, str, str], ...]  # (block, op, why it is never saved)
+    exclusions: tuple[tuple[str, str, str], ...]  # (block, op call, why it is never saved)
     recompute_flops: int  # the estimator's: planned step FLOPs - unplanned step FLOPs
     recompute_seconds: float  # roofline, planned trace - unplanned trace
     step_seconds: float  # roofline seconds of the unplanned step
@@ -412,8 +503,7 @@ class SelectiveResult:
     objective: str
     solve_seconds: float  # all DP solves together
     plan_seconds: float  # everything, estimator runs included
-    rounds: int
-    baselines: tuple = ()
+    rounds: int  # plans re-estimated
 
     @property
     def flops_overhead_pct(self) -> float:
@@ -464,13 +554,85 @@ def _segments(blocks: Sequence[BlockProfile], solution: SelectiveSolution) -> tu
     return tuple(segments)
 
 
-def profile_blocks(trace: Trace, device: str, gpu: str, precision: str) -> tuple[Candidates, tuple[BlockProfile, ...]]:
+def profile_blocks(trace: Trace, device: str, gpu: str, precision: str, objective: str = "seconds",
+                   peak_event: int | None = None) -> tuple[Candidates, tuple[BlockProfile, ...]]:
+    """The candidate blocks with their policies. `peak_event`: the unplanned peak's index in trace.events;
+    the gradients allocated by then are in the fixed bytes already, so the blocks last in the chain
+    (first in backward) allocate that much less."""
     block_bytes = device_model(device).block_bytes
     candidates = candidate_blocks(trace, block_bytes)
     spec = gpu_spec(gpu)
     unique = list({b.path: b for b in candidates.blocks}.values())  # a path listed twice is one block
-    profiles = tuple(profile_block(trace, b.path, b.group, block_bytes, spec, precision) for b in unique)
-    return candidates, profiles
+    profiles = [profile_block(trace, b.path, b.group, block_bytes, spec, precision, objective) for b in unique]
+    grads = _gradient_bytes(trace, [p.path for p in profiles], block_bytes)
+    counted = 0 if peak_event is None else sum(
+        block_bytes(trace.storages[e.storage].nbytes) for e in trace.events[: peak_event + 1]
+        if e.kind == "alloc" and trace.storages[e.storage].role == "gradients"
+        and trace.ops[e.op].step == trace.ops[trace.events[peak_event].op].step)
+    for profile in reversed(profiles):
+        taken = min(counted, grads[profile.path])
+        grads[profile.path] -= taken
+        counted -= taken
+    return candidates, tuple(replace(p, grad_bytes=grads[p.path]) for p in profiles)
+
+
+def _gradient_bytes(trace: Trace, paths: Sequence[str], block_bytes: Callable[[int], int]) -> dict[str, int]:
+    """Per block, the bytes of the gradients of the weights its forward reads (a weight several blocks
+    read: the last, whose backward runs first), as gradients have their weights' size; all 0 when the
+    first step's backward allocates no gradients (they outlive the step: the peak counts them already)."""
+    fresh = any(s.role == "gradients" and s.allocated_by is not None and trace.ops[s.allocated_by].phase == "backward"
+                for s in trace.storages.values())
+    if not fresh:
+        return dict.fromkeys(paths, 0)
+    owner: dict[int, str] = {}
+    for path in paths:  # forward order: a later reader takes the weight over
+        call = _first_forward_call(trace, path)
+        for op in trace.ops[call.first_op : call.end_op]:
+            for s in op.reads:
+                if trace.storages[s].role == "weights":
+                    owner[s] = path
+    grads = dict.fromkeys(paths, 0)
+    for s, path in owner.items():
+        grads[path] += block_bytes(trace.storages[s].nbytes)
+    return grads
+
+
+def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Callable[[int], int]) -> dict[str, int]:
+    """Per block that `plan` (re-estimated as `trace`) checkpoints alone, the bytes its forward still
+    holds when the forward phase ends, beyond what its policy keeps (Segment.activation_bytes)."""
+    freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
+    residues = {}
+    for segment in plan.segments:
+        path = segment.modules[0]
+        if len(segment.modules) != 1 or path not in paths:
+            continue
+        call = _first_forward_call(trace, path)
+        last = _forward_end(trace, call.first_op) - 1  # freed after the forward's last op: held to its end
+        held = {s for op in trace.ops[call.first_op : call.end_op] for s in op.allocates
+                if freed_after.get(s, len(trace.ops)) >= last}
+        residues[path] = max(0, sum(block_bytes(trace.storages[s].nbytes) for s in held) - segment.activation_bytes)
+    return residues
+
+
+def _with_residues(blocks: Sequence[BlockProfile], residues: dict[str, int]) -> list[BlockProfile]:
+    """The blocks with the forward residues learnt so far: a block's own, else the largest learnt for a
+    block of the same structure (group and bytes), else 0."""
+    alike: dict[tuple, int] = {}
+    for b in blocks:
+        if b.path in residues:
+            key = (b.group, b.activation_bytes)
+            alike[key] = max(alike.get(key, 0), residues[b.path])
+    return [replace(b, forward_residue_bytes=residues.get(b.path, alike.get((b.group, b.activation_bytes), 0)))
+            for b in blocks]
+
+
+@dataclass(frozen=True)
+class _Realised:
+    plan: Plan
+    planned: Estimate
+    seconds: float  # recompute roofline seconds
+    solution: SelectiveSolution | None
+    problem: tuple = ()  # (blocks, fixed, forward fixed, recompute fixed bytes) the solution was solved for
 
 
 def plan_selective(
@@ -482,93 +644,144 @@ def plan_selective(
     gpu: str = "h100",
     headroom: float = 0.005,
     cache: EstimateCache | None = None,
+    baselines: Sequence[Plan] = (),
+    time_limit_s: float | None = None,
 ) -> SelectiveResult:
     """The cheapest selective-recompute plan (by `objective`, "seconds" on `gpu` or "flops") whose
     re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits.
     `headroom`: the plan must fit budget x (1 - headroom) by the estimator, a margin for its error against
-    the real allocator (a few KiB on the CPU at tiny sizes)."""
+    the real allocator (a few KiB on the CPU at tiny sizes). `baselines`: plans of other planners (e.g.
+    memplan.planner.plan_checkpoints') re-estimated alongside; the plan returned recomputes no more than
+    any of them that fits, in FLOPs and in seconds (at worst it is that baseline). `time_limit_s`: once
+    past it, the closed loop stops at the first plan that fits (or when it gives up), skipping the
+    block-level loop, the bisection and the optimality bound; None: no limit."""
+    if objective not in OBJECTIVES:
+        raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     started = time.perf_counter()
     cache = cache or EstimateCache()
     target = budget_bytes - int(headroom * budget_bytes)
     spec = gpu_spec(gpu)
     unplanned, trace = cache.estimate(workload, config, device)
-    candidates, blocks = profile_blocks(trace, device, gpu, config.precision)
+    peak_event = unplanned.simulation.peak_event if unplanned.simulation is not None else None
+    candidates, blocks = profile_blocks(trace, device, gpu, config.precision, objective, peak_event)
     fixed = max(0, unplanned.peak_bytes - sum(b.activation_bytes for b in blocks))
+    forward_peak = unplanned.phase_peaks.get("forward")
+    forward_fixed = None if forward_peak is None else max(0, forward_peak - sum(b.activation_bytes for b in blocks))
+    # the loss's temporaries at a backward peak are gone by the time the blocks are recomputed
+    recompute_fixed = fixed - (unplanned.breakdown.temporaries if unplanned.peak_phase == "backward" else 0)
     base_seconds = step_seconds(trace, spec, config.precision)
+    method = f"selective-dp ({objective})"
 
-    def draft(solution: SelectiveSolution) -> Plan:
-        return Plan(
-            model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
-            optimizer=config.optimizer, grad_accum=config.grad_accum, device=device,
-            method=f"selective-dp ({objective})", segments=_segments(blocks, solution), feasible=False,
-            budget_bytes=budget_bytes, predicted_peak_bytes=0, unplanned_peak_bytes=unplanned.peak_bytes,
-            recompute_flops=0, step_flops=unplanned.step_flops, options=dict(workload.options))
+    residues: dict[str, int] = {}  # learnt from each re-estimated plan, per block checkpointed alone
+    block_bytes = device_model(device).block_bytes
 
-    def realised(solution: SelectiveSolution) -> tuple[Plan, Estimate, float]:
-        plan = draft(solution)
+    def realise(plan: Plan, solution: SelectiveSolution | None, problem: tuple = ()) -> _Realised:
         planned, planned_trace = cache.realise(workload, config, device, plan)
+        residues.update(_forward_residues(planned_trace, plan, {b.path for b in blocks}, block_bytes))
         seconds = max(0.0, step_seconds(planned_trace, spec, config.precision) - base_seconds)
         plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                        recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
-        return plan, planned, seconds
+        return _Realised(plan, planned, seconds, solution, problem)
 
-    def cost(plan: Plan, seconds: float) -> float:
-        return seconds if objective == "seconds" else plan.recompute_flops
+    def cost(r: _Realised) -> float:
+        return r.seconds if objective == "seconds" else float(r.plan.recompute_flops)
 
     solve_seconds = 0.0
-    rounds = 0
+    realised: dict[tuple, _Realised] = {}
 
-    def solve(budget: int) -> SelectiveSolution:
-        nonlocal solve_seconds
-        solution = solve_selective_chain(blocks, fixed, max(0, budget), objective)
-        solve_seconds += solution.solve_seconds
-        return solution
-
-    best = None  # (plan, planned, seconds, solution)
-    seen: dict[tuple, tuple] = {}
-    solver_budget, scale, loose = target, 1, None
-
-    def consider(solution: SelectiveSolution) -> tuple:
-        nonlocal best, rounds
+    def consider(solution: SelectiveSolution, problem: tuple) -> _Realised:
+        """The solution's plan, re-estimated (once per distinct plan)."""
         segments = _segments(blocks, solution)
-        if segments not in seen:
-            rounds += 1
-            seen[segments] = realised(solution)
-        plan, planned, seconds = seen[segments]
-        better = best is None or (plan.feasible and (not best[0].feasible or cost(plan, seconds) < cost(best[0], best[2]))) \
-            or (not plan.feasible and not best[0].feasible and planned.peak_bytes < best[1].peak_bytes)
-        if better:
-            best = (plan, planned, seconds, solution)
-        return plan, planned
+        if segments not in realised:
+            draft = Plan(
+                model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
+                optimizer=config.optimizer, grad_accum=config.grad_accum, device=device, method=method,
+                segments=segments, feasible=False, budget_bytes=budget_bytes, predicted_peak_bytes=0,
+                unplanned_peak_bytes=unplanned.peak_bytes, recompute_flops=0, step_flops=unplanned.step_flops,
+                options=dict(workload.options))
+            realised[segments] = realise(draft, solution, problem)
+        return realised[segments]
 
-    for _ in range(CLOSED_LOOP_ROUNDS):
-        solution = solve(solver_budget)
-        repeated = _segments(blocks, solution) in seen
-        plan, planned = consider(solution)
-        if plan.feasible or not solution.feasible:
-            break
-        if repeated:
-            scale *= 2
-        loose = solver_budget
-        solver_budget -= scale * max(1, planned.peak_bytes - target)
-    if best[0].feasible and loose is not None:
-        tight = solver_budget
-        for _ in range(BISECTION_ROUNDS):
-            middle = (loose + tight) // 2
-            plan, _ = consider(solve(middle))
-            loose, tight = (loose, middle) if plan.feasible else (middle, tight)
-    plan, planned, seconds, solution = best
+    def in_time() -> bool:
+        return time_limit_s is None or time.perf_counter() - started < time_limit_s
+
+    def solve(chain: Sequence[BlockProfile], margins: tuple[int, int]) -> tuple[SelectiveSolution, tuple]:
+        nonlocal solve_seconds
+        backward, forward = margins
+        problem = (_with_residues(chain, residues), fixed + backward,
+                   (fixed if forward_fixed is None else forward_fixed) + forward, recompute_fixed + backward)
+        solution = solve_selective_chain(problem[0], problem[1], target, objective, forward_fixed_bytes=problem[2],
+                                         recompute_fixed_bytes=problem[3], bound=False)
+        solve_seconds += solution.solve_seconds
+        return solution, problem
+
+    def closed_loop(chain: Sequence[BlockProfile]) -> tuple | None:
+        """Solve, re-estimate, and where the plan does not fit, add what the estimator found over to the
+        fixed bytes of the phase that peaked (the forward's or the backward's). Returns the last margins
+        whose plan did not fit and those whose plan did, when both exist, for bisect()."""
+        margins, scale, loose = (0, 0), 1, None
+        for _ in range(CLOSED_LOOP_ROUNDS):
+            solution, problem = solve(chain, margins)
+            repeated = _segments(blocks, solution) in realised
+            outcome = consider(solution, problem)
+            phase = outcome.planned.peak_phase
+            if outcome.plan.feasible or not solution.feasible or phase not in ("forward", "backward"):
+                break
+            if repeated:
+                scale *= 2
+            loose = margins
+            excess = scale * max(1, outcome.planned.peak_bytes - target)
+            margins = (margins[0] + excess, margins[1]) if phase == "backward" else (margins[0], margins[1] + excess)
+        return (loose, margins) if outcome.plan.feasible and loose is not None else None
+
+    def bisect(chain: Sequence[BlockProfile], bracket: tuple, rounds: int) -> None:
+        """The model was optimistic at `loose` and is pessimistic at `tight`: look in between."""
+        loose, tight = bracket
+        for _ in range(rounds):
+            if not in_time():
+                return
+            middle = ((loose[0] + tight[0]) // 2, (loose[1] + tight[1]) // 2)
+            fits = consider(*solve(chain, middle)).plan.feasible
+            loose, tight = (loose, middle) if fits else (middle, tight)
+
+    bracket = closed_loop(blocks)
+    if in_time():
+        closed_loop([b.block_level() for b in blocks])  # every block-level plan is a selective one too
+    if bracket is not None:
+        bisect(blocks, bracket, BISECTION_ROUNDS)
+    external = []
+    for baseline in baselines:
+        outcome = realise(replace(baseline, budget_bytes=budget_bytes), None)
+        realised.setdefault(outcome.plan.segments, outcome)
+        external.append(outcome)
+
+    def beats_baselines(r: _Realised) -> bool:
+        return all(r.plan.recompute_flops <= b.plan.recompute_flops and r.seconds <= b.seconds + 1e-15
+                   for b in external if b.plan.feasible)
+
+    fitting = [r for r in realised.values() if r.plan.feasible]
+    if fitting:
+        best = min([r for r in fitting if beats_baselines(r)] or fitting, key=lambda r: (cost(r), r.planned.peak_bytes))
+    else:
+        best = min(realised.values(), key=lambda r: (r.planned.peak_bytes, cost(r)))
     exclusions = tuple((b.path, name, why) for b in blocks for name, why in b.exclusions)
+    solution = best.solution
+    if solution is not None and solution.feasible and in_time():  # its gap, once: the bound costs two solves
+        chain, backward_fixed, forward_fixed_bytes, recompute_fixed_bytes = best.problem
+        bounded = solve_selective_chain(chain, backward_fixed, target, objective, forward_fixed_bytes=forward_fixed_bytes,
+                                        recompute_fixed_bytes=recompute_fixed_bytes)
+        solve_seconds += bounded.solve_seconds
+        solution = replace(solution, optimality_gap=bounded.optimality_gap)
     compat = Solution(
-        method=plan.method, segments=tuple(s.modules for s in plan.segments), feasible=solution.feasible,
-        modelled_peak_bytes=solution.modelled_peak_bytes, recompute_flops=solution.recompute_flops,
-        recompute_seconds=solution.recompute_seconds, solve_seconds=solve_seconds,
-        optimality_gap=solution.optimality_gap)
+        method=best.plan.method, segments=tuple(s.modules for s in best.plan.segments),
+        feasible=best.plan.feasible, modelled_peak_bytes=solution.modelled_peak_bytes if solution else 0,
+        recompute_flops=best.plan.recompute_flops, recompute_seconds=best.seconds, solve_seconds=solve_seconds,
+        optimality_gap=solution.optimality_gap if solution else None)
     return SelectiveResult(
-        plan=plan, unplanned=unplanned, planned=planned, candidates=candidates, solution=compat,
-        selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=plan.recompute_flops,
-        recompute_seconds=seconds, step_seconds=base_seconds, gpu=spec.name, objective=objective,
-        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=rounds)
+        plan=best.plan, unplanned=unplanned, planned=best.planned, candidates=candidates, solution=compat,
+        selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
+        recompute_seconds=best.seconds, step_seconds=base_seconds, gpu=spec.name, objective=objective,
+        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(realised))
 
 
 def plan_overhead(

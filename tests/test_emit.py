@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -135,6 +136,7 @@ TOY_PLANS = {
     "modulelist-run": [("blocks.0", "blocks.1", "blocks.2")],
     "modulelist-partial-run": [("blocks.1", "blocks.2")],
     "sequential-run": [("head.0", "head.1", "head.2")],
+    "run-in-plain-module": [("blocks.1.norm", "blocks.1.ff")],  # Block chains them: ff(norm(x))
     "nested-in-run": [("blocks.0", "blocks.1"), ("blocks.1.ff",)],
     "run-in-root": [("",), ("blocks.1", "blocks.2")],
     "run-in-sequential-segment": [("head",), ("head.1", "head.2", "head.3")],
@@ -142,6 +144,10 @@ TOY_PLANS = {
     "selective-run-nested": [
         Segment(("blocks.0", "blocks.1"), policy="selective", saved_ops=("aten.mm.default",)),
         ("blocks.1.ff",),
+    ],
+    "selective-calls": [
+        Segment(("blocks.0",), policy="selective", saved_ops=("aten.addmm.default#1", "aten.native_dropout.default#0")),
+        Segment(("blocks.1", "blocks.2"), policy="selective", saved_ops=("aten.addmm.default#2", "aten.gelu.default")),
     ],
 }
 
@@ -163,28 +169,57 @@ def test_segments_are_recomputed():
     assert [block.ff.calls for block in original.blocks] == [1, 1, 1]
 
 
+class RecordOps(TorchDispatchMode):
+    """The aten ops run while it is active, with their output shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((str(func), tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
+        return out
+
+
+def recomputed_in_backward(segment: Segment) -> list[tuple[str, tuple[int, ...]]]:
+    """The ops a backward runs with `segment` of the toy checkpointed. Backward itself runs no
+    addmm or gelu (a Linear's backward is mm): those seen are the segment's recomputation."""
+    model, inputs = toy_and_inputs()
+    apply_plan(model, make_plan(segment))
+    loss = model(*inputs).sum()
+    with RecordOps() as recorder:
+        loss.backward()
+    return [(op, shape) for op, shape in recorder.ops if op in ("aten.addmm.default", "aten.gelu.default")]
+
+
 def test_selective_segment_keeps_saved_ops():
-    from torch.utils._python_dispatch import TorchDispatchMode
+    recomputed = {
+        saved_ops: [op for op, _ in recomputed_in_backward(Segment(("blocks.1.ff",), "selective", saved_ops))]
+        for saved_ops in ((), ("aten.addmm.default",), ("aten.gelu.default",))
+    }
+    assert recomputed == {
+        (): ["aten.addmm.default", "aten.gelu.default", "aten.addmm.default"],
+        ("aten.addmm.default",): ["aten.gelu.default"],
+        ("aten.gelu.default",): ["aten.addmm.default", "aten.addmm.default"],
+    }
+    full = recomputed_in_backward(Segment(("blocks.1.ff",)))
+    assert [op for op, _ in full] == recomputed[()]
 
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: list[str] = []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+def test_selective_segment_keeps_the_named_calls():
+    # blocks.0 and blocks.1 as one run: four addmm calls per forward, up (2 x width wide) and down
+    # (width) in each block. "#n" counts the calls of one forward of the segment, from 0.
+    def recomputed_widths(*saved_ops):
+        segment = Segment(("blocks.0", "blocks.1"), "selective", saved_ops)
+        return [shape[-1] for op, shape in recomputed_in_backward(segment) if op == "aten.addmm.default"]
 
-    recomputed = {}
-    for policy, saved_ops in (("full", ()), ("selective", ("aten.addmm.default",))):
-        model, inputs = toy_and_inputs()
-        apply_plan(model, make_plan(Segment(("blocks.1.ff",), policy=policy, saved_ops=saved_ops)))
-        loss = model(*inputs).sum()
-        with CountOps() as counter:
-            loss.backward()
-        # Backward itself runs no addmm or gelu: those seen here are the segment's recomputation.
-        recomputed[policy] = (counter.ops.count("aten.addmm.default"), counter.ops.count("aten.gelu.default"))
-    assert recomputed == {"full": (2, 1), "selective": (0, 1)}
+    width = Toy().embed.out_features
+    assert recomputed_widths() == [2 * width, width, 2 * width, width]
+    assert recomputed_widths("aten.addmm.default#0", "aten.addmm.default#2") == [width, width]
+    assert recomputed_widths("aten.addmm.default#1", "aten.addmm.default#3") == [2 * width, 2 * width]
+    assert recomputed_widths("aten.addmm.default#3", "aten.gelu.default") == [2 * width, width, 2 * width]
+    assert recomputed_widths("aten.addmm.default#9") == [2 * width, width, 2 * width, width]  # no such call
 
 
 def test_names_and_state_dict_unchanged():
@@ -238,12 +273,15 @@ def test_fake_tensor_mode_forward_backward():
         ([("blocks.1", "blocks.0")], "not consecutive"),
         ([("blocks.2", "pair")], "not siblings"),
         ([("", "embed")], "not siblings"),
-        ([("embed", "pair")], "not an nn.Sequential or nn.ModuleList"),
+        ([("embed", "pair")], "not consecutive"),
         ([("blocks.0", "blocks.0")], "appears twice"),
         ([("blocks.0", "blocks.1"), ("blocks.1",)], "in two segments"),
         ([Segment(("pair",), policy="sometimes")], "unknown policy"),
         ([Segment(("pair",), policy="selective", saved_ops=("aten.mm",))], "not an op name"),
         ([Segment(("pair",), policy="selective", saved_ops=("aten.no_such_op.default",))], "not an op"),
+        ([Segment(("pair",), policy="selective", saved_ops=("aten.mm.default#x",))], "must be a number"),
+        ([Segment(("pair",), policy="selective", saved_ops=("aten.mm.default#-1",))], "must be a number"),
+        ([Segment(("pair",), policy="selective", saved_ops=("#2",))], "not an op name"),
         ([()], "no modules"),
     ],
 )
@@ -278,6 +316,25 @@ def test_run_whose_parent_transforms_between_blocks_fails_loudly():
         model(torch.randn(2, 4))
 
 
+class _UsesIntermediate(nn.Module):
+    """Chains a into b, and also uses a's output itself: its shape, and as a skip connection."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3))
+
+    def forward(self, x):
+        h = self.a(x)
+        return (self.b(h) + h).sum(-1) * h.shape[-1]
+
+
+def test_each_member_of_a_run_returns_its_own_output():
+    torch.manual_seed(0)
+    original = _UsesIntermediate()
+    checkpointed = apply_plan(copy.deepcopy(original), make_plan(("a", "b")))
+    assert_same_step(original, checkpointed, (torch.randn(4, 8),))
+
+
 # --------------------------------------------------------------------------------------------------
 # The model zoo at tiny size
 
@@ -287,7 +344,8 @@ ZOO_PLANS = {
     "bert-base": [("",), ("layers.0", "layers.1"), ("layers.1.ffn_in",)],
     "llama2-7b": [("layers.0", "layers.1"), ("layers.1.feed_forward",)],
     "llama3-8b": [("layers.1",), ("layers.0.attention",)],
-    "resnet18": [("stages.1", "stages.2"), ("stages.1.0",), ("stages.3.0", "stages.3.1")],
+    "resnet18": [("conv1", "bn1", "relu", "maxpool"), ("stages.1", "stages.2"), ("stages.1.0",),
+                 ("stages.3.0", "stages.3.1")],
     "vit-b16": [("layers.0",), ("layers.1.mlp.0", "layers.1.mlp.1")],
     "mlp": [("0", "1", "2"), ("3", "4")],
     "unet": [("stem.0", "stem.1", "stem.2"), ("downs.0",), ("ups.0",), ("ups.0.conv",)],
@@ -315,6 +373,7 @@ MIXED_PLAN = make_plan(
     ("blocks.0", "blocks.1"),
     ("blocks.1.ff",),
     Segment(("pair",), policy="selective", saved_ops=("aten.addmm.default", "aten.tanh.default")),
+    Segment(("blocks.2",), policy="selective", saved_ops=("aten.addmm.default#1", "aten.native_layer_norm.default#0")),
     ("head.1", "head.2", "head.3"),
     model="toy",
     budget_bytes=3 * 2**30,
@@ -387,7 +446,10 @@ def test_emitted_code_is_lint_clean_and_formatted(plan, tmp_path):
 
 def test_emitted_module_runs_without_memplan(tmp_path):
     torch_site = str(Path(torch.__file__).parents[1])
-    (tmp_path / "ckpt_plan.py").write_text(emit_module(make_plan(("blocks.0", "blocks.1"), ("blocks.1.1",))))
+    plan = make_plan(
+        ("blocks.0", "blocks.1"), ("blocks.1.1",), Segment(("blocks.2",), "selective", ("aten.addmm.default#0",))
+    )
+    (tmp_path / "ckpt_plan.py").write_text(emit_module(plan))
     script = textwrap.dedent(
         f"""
         import sys
