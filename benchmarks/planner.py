@@ -8,7 +8,8 @@ gives gpt2 43, bert-base 29, vit-b16 11, resnet18 14, unet 42, lstm 13, mlp 0: i
 activations), since how much checkpointing can save depends on that proportion.
 
 For each model and budget: the optimal plan's predicted peak (the estimator on the checkpointed
-model), the peak `verify --device cpu` measures on that model, its recompute overhead, and the
+model), the floor no checkpoint plan goes below (memplan.planner.peak_floor; "> budget": no plan can
+fit), the peak `verify --device cpu` measures on that model, its recompute overhead, and the
 overhead of each baseline (every block, sqrt(n) segments, uniform segments) that also fits.
 """
 
@@ -70,14 +71,16 @@ def main() -> None:
             for method in BASELINES:
                 base = plan_checkpoints(workload, config, budget, device="cpu", method=method).plan
                 baseline_cells.append(f"{100 * base.recompute_flops / base.step_flops:.1f}" if base.feasible else "no fit")
+            floor = result.floor.peak_bytes
             rows.append([
                 name, ratio, f"{int(cut * 100)}%", budget, plan.predicted_peak_bytes if plan.feasible else f"no fit ({plan.predicted_peak_bytes})",
+                f"{floor}{' > budget' if floor > budget else ''}",
                 measured if measured is not None else "-",
                 "yes" if measured is not None and measured <= budget else ("-" if measured is None else "NO"),
                 len(plan.segments), f"{overhead:.1f}", *baseline_cells, f"{result.solution.solve_seconds:.3f}", f"{seconds:.1f}",
             ])
             print(*rows[-1], sep="\t", file=sys.stderr, flush=True)
-    headers = ["model", "act/weights", "cut", "budget B", "predicted B", "measured B", "measured<=budget", "segments",
+    headers = ["model", "act/weights", "cut", "budget B", "predicted B", "floor B", "measured B", "measured<=budget", "segments",
                "optimal %", *(f"{b} %" for b in BASELINES), "solve s", "plan s (closed loop)"]
     print(tabulate(rows, headers=headers))
 

@@ -102,7 +102,7 @@ def plan_command(
                                     time_limit_s=SELECTIVE_TIME_LIMIT_S)
         else:
             result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name)
-    plan = result.plan
+    plan, floor = result.plan, result.floor
     others = ()
     if not plan.feasible:
         with progress("looking for what would fit instead ...", quiet):
@@ -141,6 +141,8 @@ def plan_command(
             "recompute_overhead_pct": round(overhead, 3),
             "recompute_seconds": recompute_s,
             "method": plan.method,
+            "peak_floor_bytes": floor.peak_bytes if floor else None,
+            "peak_floor_op": floor.op if floor else None,
             "segments": [
                 {"modules": list(s.modules), "policy": s.policy, "saved_ops": list(s.saved_ops)} for s in plan.segments
             ],
@@ -178,9 +180,13 @@ def plan_command(
     if plot:
         note(f"wrote {plot}")
     if not plan.feasible:
+        proof = (
+            f"; none can: {floor.op} in backward alone needs {format_bytes(floor.peak_bytes)} live"
+            if floor and floor.peak_bytes > budget_bytes else ""
+        )
         raise DoesNotFit(
             f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; "
-            f"the smallest reached is {format_bytes(plan.predicted_peak_bytes)}"
+            f"the smallest reached is {format_bytes(plan.predicted_peak_bytes)}{proof}"
         )
 
 

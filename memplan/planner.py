@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 
 from memplan.devices import device_model
 from memplan.emit import apply_plan
-from memplan.errors import DoesNotFit
 from memplan.estimate import Estimate, estimate, estimate_and_trace
 from memplan.gpus import gpu_spec, roofline_seconds
 from memplan.plan import Plan, Segment
@@ -317,6 +316,49 @@ def _forward_passes(trace: Trace) -> int:
 
 
 @dataclass(frozen=True)
+class Floor:
+    """A peak that no checkpoint plan goes below. Checkpointing adds forward ops to backward but changes
+    neither the backward ops nor their operands' sizes, so each backward op needs its operands live at
+    once, on top of what lives through the whole step whatever the plan: weights, inputs, optimizer
+    state, and the parameter gradients made before it."""
+
+    peak_bytes: int
+    op: str  # the backward op that sets it
+
+
+PERSISTENT_ROLES = ("weights", "inputs", "optimizer_state", "gradients")
+
+
+def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) -> Floor:
+    freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
+    change = [0] * (len(trace.ops) + 1)  # persistent bytes allocated (+) or freed (-) before each op
+    persistent = set()
+    for sid, storage in trace.storages.items():
+        if storage.role in PERSISTENT_ROLES:
+            persistent.add(sid)
+            change[0 if storage.allocated_by is None else storage.allocated_by + 1] += block_bytes(storage.nbytes)
+            if sid in freed_after:
+                change[freed_after[sid] + 1] -= block_bytes(storage.nbytes)
+    best = Floor(0, "")
+    live = 0
+    for op in trace.ops:
+        live += change[op.index]
+        if op.phase != "backward":
+            continue
+        operands = set(op.reads) | set(op.writes) | set(op.allocates)
+        # operands not already counted among the persistent storages live before this op
+        extra = sum(
+            block_bytes(trace.storages[sid].nbytes)
+            for sid in operands
+            if sid not in persistent or sid in op.allocates
+        )
+        total = live + extra + op.scratch_bytes
+        if total > best.peak_bytes:
+            best = Floor(total, op.name)
+    return best
+
+
+@dataclass(frozen=True)
 class PlanResult:
     plan: Plan
     unplanned: Estimate
@@ -324,6 +366,7 @@ class PlanResult:
     candidates: Candidates
     solution: Solution
     baselines: tuple[tuple[str, Plan], ...] = ()
+    floor: Floor | None = None  # what no plan goes below
 
 
 def plan_checkpoints(
@@ -353,6 +396,10 @@ def plan_checkpoints(
         def problem_at(budget: int) -> ChainProblem:
             """Modules at every depth and runs of chained siblings."""
             return ChainProblem(nested.leaves, nested_fixed, max(0, budget), nested.spans)
+
+        # an outermost block that a run may still cover (bn1 inside conv1..maxpool) is not excluded
+        in_runs = {path for span in nested.spans for path in span.paths}
+        candidates = replace(candidates, excluded=tuple(e for e in candidates.excluded if e.path not in in_runs))
     solver_budget = budget_bytes
     best: tuple[Plan, Estimate, Solution] | None = None
     realised: dict[tuple, tuple[Plan, Estimate]] = {}
@@ -404,7 +451,7 @@ def plan_checkpoints(
             if cheaper or lower:
                 best = (replace(plan, method=f"{method} (via {baseline})"), planned, solution)
     plan, planned, solution = best
-    return PlanResult(plan, unplanned, planned, candidates, solution)
+    return PlanResult(plan, unplanned, planned, candidates, solution, floor=peak_floor(trace, block_bytes))
 
 
 def _solve(method: str, problem: ChainProblem) -> Solution:
@@ -455,11 +502,6 @@ def _realise(
     return plan, planned
 
 
-def require_fit(result: PlanResult) -> None:
-    if not result.plan.feasible:
-        raise DoesNotFit(f"no checkpoint plan fits: the smallest peak reached is {result.plan.predicted_peak_bytes} bytes")
-
-
 @dataclass(frozen=True)
 class Alternative:
     """A change that makes the step fit without (more) checkpointing, re-estimated."""
@@ -482,14 +524,21 @@ def alternatives(
 ) -> tuple[Alternative, ...]:
     """What would fit instead: a smaller micro-batch with gradient accumulation giving the same
     effective batch, a lower precision, a lighter optimizer — each re-estimated."""
+    def peak_of(changed_workload: Workload, changed_config: StepConfig) -> int | None:
+        """The re-estimated peak; None where the model cannot run that way (BatchNorm at micro-batch 1)."""
+        try:
+            return estimate(changed_workload, changed_config, device, gpu=gpu).peak_bytes
+        except (ValueError, RuntimeError):
+            return None
+
     found = []
     batch = workload.effective_batch_size
     if batch and batch > 1:
         for divisor in (d for d in range(2, batch + 1) if batch % d == 0):
             smaller = replace(workload, batch_size=batch // divisor)
             accum = replace(config, grad_accum=config.grad_accum * divisor)
-            peak = estimate(smaller, accum, device, gpu=gpu).peak_bytes
-            if peak <= budget_bytes:
+            peak = peak_of(smaller, accum)
+            if peak is not None and peak <= budget_bytes:
                 found.append(Alternative(
                     f"micro-batch {batch // divisor} x grad-accum {accum.grad_accum} (same effective batch)",
                     batch // divisor, accum.grad_accum, config.precision, config.optimizer, peak))
@@ -500,8 +549,8 @@ def alternatives(
     ):
         if changed is None:
             continue
-        peak = estimate(workload, changed, device, gpu=gpu).peak_bytes
-        if peak <= budget_bytes:
+        peak = peak_of(workload, changed)
+        if peak is not None and peak <= budget_bytes:
             what = changed.precision if description == "precision" else changed.optimizer
             found.append(Alternative(f"{description} {what}", batch, changed.grad_accum, changed.precision, changed.optimizer, peak))
     return tuple(found)
