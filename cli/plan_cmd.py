@@ -141,8 +141,8 @@ def plan_command(
             "recompute_overhead_pct": round(overhead, 3),
             "recompute_seconds": recompute_s,
             "method": plan.method,
-            "peak_floor_bytes": floor.peak_bytes if floor else None,
-            "peak_floor_op": floor.op if floor else None,
+            "peak_floor_bytes": floor.peak_bytes,
+            "peak_floor_op": floor.op,
             "segments": [
                 {"modules": list(s.modules), "policy": s.policy, "saved_ops": list(s.saved_ops)} for s in plan.segments
             ],
@@ -182,7 +182,7 @@ def plan_command(
     if not plan.feasible:
         proof = (
             f"; none can: {floor.op} in backward alone needs {format_bytes(floor.peak_bytes)} live"
-            if floor and floor.peak_bytes > budget_bytes else ""
+            if floor.peak_bytes > budget_bytes else ""
         )
         raise DoesNotFit(
             f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; "

@@ -365,8 +365,7 @@ class PlanResult:
     planned: Estimate
     candidates: Candidates
     solution: Solution
-    baselines: tuple[tuple[str, Plan], ...] = ()
-    floor: Floor | None = None  # what no plan goes below
+    floor: Floor  # a peak no checkpoint plan goes below
 
 
 def plan_checkpoints(
@@ -451,7 +450,7 @@ def plan_checkpoints(
             if cheaper or lower:
                 best = (replace(plan, method=f"{method} (via {baseline})"), planned, solution)
     plan, planned, solution = best
-    return PlanResult(plan, unplanned, planned, candidates, solution, floor=peak_floor(trace, block_bytes))
+    return PlanResult(plan, unplanned, planned, candidates, solution, peak_floor(trace, block_bytes))
 
 
 def _solve(method: str, problem: ChainProblem) -> Solution:

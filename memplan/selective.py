@@ -60,7 +60,7 @@ from memplan.errors import BadInput
 from memplan.estimate import Estimate, estimate_and_trace
 from memplan.gpus import GpuSpec, gpu_spec, roofline_seconds
 from memplan.plan import Plan, Segment
-from memplan.planner import Candidates, candidate_blocks
+from memplan.planner import Candidates, Floor, candidate_blocks, peak_floor
 from memplan.solvers import Solution
 from memplan.step import StepConfig
 from memplan.trace import ModuleCall, Op, Trace
@@ -504,6 +504,7 @@ class SelectiveResult:
     solve_seconds: float  # all DP solves together
     plan_seconds: float  # everything, estimator runs included
     rounds: int  # plans re-estimated
+    floor: Floor  # a peak no checkpoint plan goes below
 
     @property
     def flops_overhead_pct(self) -> float:
@@ -781,7 +782,8 @@ def plan_selective(
         plan=best.plan, unplanned=unplanned, planned=best.planned, candidates=candidates, solution=compat,
         selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
         recompute_seconds=best.seconds, step_seconds=base_seconds, gpu=spec.name, objective=objective,
-        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(realised))
+        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(realised),
+        floor=peak_floor(trace, block_bytes))
 
 
 def plan_overhead(
