@@ -57,9 +57,7 @@ def candidate_blocks(
     Cost-model numbers come from the first forward of the trace; `seconds_of(flops, bytes moved)` times
     one op's recomputation (a roofline on the target GPU), summed over the block."""
     first_forward = [c for c in trace.calls if c.phase == "forward" and c.step == 0]
-    calls_per_path: dict[str, int] = {}
-    for call in first_forward:
-        calls_per_path[call.path] = calls_per_path.get(call.path, 0) + 1
+    calls_per_path = _calls_per_path(trace)
     seen: set[str] = set()
     first_calls = []
     for call in sorted(first_forward, key=lambda c: (c.first_op, -c.end_op)):  # enclosing calls first
@@ -97,12 +95,7 @@ def candidate_blocks(
         if reason:
             excluded.append(Excluded(call.path, reason))
             continue
-        saved = sum(
-            block_bytes(trace.storages[sid].nbytes)
-            for op in ops
-            for sid in op.allocates
-            if trace.storages[sid].role == "activations"
-        )
+        saved = sum(_activation_bytes(trace, op.allocates, block_bytes) for op in ops)
         group = ""
         if trace.module_types.get(parent(call.path)) in CONTAINERS:
             # a run may join this block to the one before only if the parent feeds one's output
@@ -140,10 +133,7 @@ def nested_candidates(
     if root is None:
         return NestedCandidates((), ())
     passes = _forward_passes(trace)
-    calls_per_path: dict[str, int] = {}
-    for call in trace.calls:
-        if call.phase == "forward" and call.step == 0:
-            calls_per_path[call.path] = calls_per_path.get(call.path, 0) + 1
+    calls_per_path = _calls_per_path(trace)
     inside = sorted(
         (c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path
          and root.first_op <= c.first_op and c.end_op <= root.end_op and calls_per_path[c.path] <= passes),
@@ -159,21 +149,16 @@ def nested_candidates(
             position[path] = children_seen.get(parent, 0)
             children_seen[parent] = position[path] + 1
 
-    def saved_and_cost(ops: list[Op]) -> tuple[int, int, float]:
-        saved = sum(
-            block_bytes(trace.storages[sid].nbytes)
-            for op in ops
-            for sid in op.allocates
-            if trace.storages[sid].role == "activations"
-        )
-        return saved, sum(op.flops for op in ops), sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
-
     def activation_bytes(storages) -> int:
-        return sum(block_bytes(trace.storages[sid].nbytes) for sid in storages if trace.storages[sid].role == "activations")
+        return _activation_bytes(trace, storages, block_bytes)
 
     allocated_before = [0]  # activation bytes allocated by the ops before each op
     for op in trace.ops:
         allocated_before.append(allocated_before[-1] + activation_bytes(op.allocates))
+
+    def saved_and_cost(ops: list[Op]) -> tuple[int, int, float]:
+        saved = sum(activation_bytes(op.allocates) for op in ops)
+        return saved, sum(op.flops for op in ops), sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
 
     leaves: list[Block] = []
     spans: dict[tuple[int, int], Span] = {}
@@ -265,6 +250,20 @@ def _unsafe_reason(
 
 def _input_bytes(trace: Trace, call: ModuleCall, block_bytes: Callable[[int], int]) -> int:
     return sum(block_bytes(trace.storages[sid].nbytes) for sid in call.inputs if trace.storages[sid].role != "weights")
+
+
+def _activation_bytes(trace: Trace, storages, block_bytes: Callable[[int], int]) -> int:
+    """Bytes of the storages among `storages` that are kept for backward, as the device allocates them."""
+    return sum(block_bytes(trace.storages[sid].nbytes) for sid in storages if trace.storages[sid].role == "activations")
+
+
+def _calls_per_path(trace: Trace) -> dict[str, int]:
+    """How often each module runs in step 0's forward passes."""
+    counts: dict[str, int] = {}
+    for call in trace.calls:
+        if call.phase == "forward" and call.step == 0:
+            counts[call.path] = counts.get(call.path, 0) + 1
+    return counts
 
 
 def _bytes_moved(trace: Trace, op: Op) -> int:
