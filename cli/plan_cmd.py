@@ -181,7 +181,7 @@ def plan_command(
         note(f"wrote {plot}")
     if not plan.feasible:
         proof = (
-            f"; none can: {floor.op} in backward alone needs {format_bytes(floor.peak_bytes)} live"
+            f"; none can: at {floor.op} backward holds {format_bytes(floor.peak_bytes)} whatever is recomputed"
             if floor.peak_bytes > budget_bytes else ""
         )
         raise DoesNotFit(

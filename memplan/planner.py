@@ -316,21 +316,30 @@ def _forward_passes(trace: Trace) -> int:
 
 @dataclass(frozen=True)
 class Floor:
-    """A peak that no checkpoint plan goes below. Checkpointing adds forward ops to backward but changes
-    neither the backward ops nor their operands' sizes, so each backward op needs its operands live at
-    once, on top of what lives through the whole step whatever the plan: weights, inputs, optimizer
-    state, and the parameter gradients made before it."""
+    """A peak that no checkpoint plan goes below (the planner's and the selective ones alike).
+    Checkpointing changes neither the backward ops nor the order they run in, only when the activations
+    they read are made, so at each backward or optimizer op these are live whatever the plan:
+    - its operands, and what lives through the whole step (weights, inputs, optimizer state, and the
+      parameter gradients made so far);
+    - every tensor made in backward or by the optimizer, from its op to the last op that reads it (the
+      gradients in flight);
+    - every tensor made in forward outside all submodules, up to the last op that reads it: no segment
+      can hold it, so it is never recomputed;
+    - a submodule call's activations still to be read, once its backward has read the first of those it
+      does not return: a segment recomputes everything it saves at once, when its backward first reads
+      one, and no segment splits a call."""
 
     peak_bytes: int
-    op: str  # the backward op that sets it
+    op: str  # the backward or optimizer op that sets it
 
 
 PERSISTENT_ROLES = ("weights", "inputs", "optimizer_state", "gradients")
 
 
 def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) -> Floor:
+    n = len(trace.ops)
     freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
-    change = [0] * (len(trace.ops) + 1)  # persistent bytes allocated (+) or freed (-) before each op
+    change = [0] * (n + 2)  # bytes that become (+) or stop being (-) certainly live before each op
     persistent = set()
     for sid, storage in trace.storages.items():
         if storage.role in PERSISTENT_ROLES:
@@ -338,18 +347,58 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
             change[0 if storage.allocated_by is None else storage.allocated_by + 1] += block_bytes(storage.nbytes)
             if sid in freed_after:
                 change[freed_after[sid] + 1] -= block_bytes(storage.nbytes)
+
+    first_read: dict[int, int] = {}  # after forward: the first and last op reading each storage
+    last_read: dict[int, int] = {}
+    for op in trace.ops:
+        if op.phase != "forward":
+            for sid in (*op.reads, *op.writes):
+                first_read.setdefault(sid, op.index)
+                last_read[sid] = op.index
+
+    unit = [-1] * n  # the innermost submodule call running each forward op (-1: outside all of them)
+    calls = sorted((c for c in trace.calls if c.phase == "forward" and c.path), key=lambda c: (c.first_op, -c.end_op))
+    for number, call in enumerate(calls):
+        unit[call.first_op : call.end_op] = [number] * (call.end_op - call.first_op)
+    # each call's first read, after forward, of a tensor it made and does not return: only a backward op
+    # of its own reads that, which brings back (unless kept) everything a segment around the call saved
+    unit_start: dict[int, int] = {}
+    for sid, first in first_read.items():
+        made_by = trace.storages[sid].allocated_by
+        if sid not in persistent and made_by is not None and trace.ops[made_by].phase == "forward":
+            u = unit[made_by]
+            if u != -1 and sid not in calls[u].outputs:
+                unit_start[u] = min(unit_start.get(u, first), first)
+
+    certain: dict[int, tuple[int, int]] = {}  # storage -> the ops [start, end] it is certainly live across
+    for sid, end in last_read.items():
+        made_by = trace.storages[sid].allocated_by
+        if sid in persistent or made_by is None:
+            continue
+        if trace.ops[made_by].phase != "forward":
+            start = made_by
+        elif unit[made_by] == -1:
+            start = made_by + 1
+        else:
+            start = unit_start.get(unit[made_by], end + 1)
+        if start <= end:
+            certain[sid] = (start, end)
+            change[start] += block_bytes(trace.storages[sid].nbytes)
+            change[end + 1] -= block_bytes(trace.storages[sid].nbytes)
+
     best = Floor(0, "")
     live = 0
     for op in trace.ops:
         live += change[op.index]
-        if op.phase != "backward":
+        if op.phase == "forward":
             continue
         operands = set(op.reads) | set(op.writes) | set(op.allocates)
-        # operands not already counted among the persistent storages live before this op
+        # operands not already counted among the storages certainly live before and through this op
         extra = sum(
             block_bytes(trace.storages[sid].nbytes)
             for sid in operands
-            if sid not in persistent or sid in op.allocates
+            if not (sid in persistent and sid not in op.allocates)
+            and not (sid in certain and certain[sid][0] <= op.index <= certain[sid][1])
         )
         total = live + extra + op.scratch_bytes
         if total > best.peak_bytes:
