@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
-from memplan.cuda_attention import cuda_attention
+from memplan.cuda_kernels import cuda_kernels
 from memplan.errors import BadInput
 from memplan.scratch import rnn_workspace_bytes, scratch_of
 from memplan.step import StepConfig, optimizer_rule
@@ -53,6 +53,30 @@ for _device in ("cpu", "cuda"):
     for _op in (aten.native_batch_norm.default, aten._native_batch_norm_legit.default):
         OUTPUT_FIXES[(_device, _op)] = _batch_norm_stats_fp32
 OUTPUT_FIXES[("cpu", aten.mkldnn_rnn_layer.default)] = _rnn_workspace
+
+
+def _unreduced_loss_storage(reduction_index: int) -> OutputFix:
+    """mse_loss, smooth_l1_loss, soft_margin_loss and binary_cross_entropy with a reduction return a
+    0-dim loss whose storage keeps the unreduced size: the real kernel allocates the result like its
+    input and reduces into it (resize_ never shrinks a storage); the fake kernel allocates 4 bytes.
+    The loss lives until backward ends, so the difference counts in the backward peak. (Measured on
+    the CPU's allocator: tests/test_unseen_models.py.)"""
+
+    def fix(args: tuple, kwargs: dict, out: Any) -> Any:
+        reduction = args[reduction_index] if len(args) > reduction_index else kwargs.get("reduction", 1)
+        if reduction == 0 or not isinstance(out, torch.Tensor):
+            return out
+        numel = math.prod(torch.broadcast_shapes(args[0].shape, args[1].shape))
+        if numel * out.element_size() <= out.untyped_storage().nbytes():
+            return out
+        return out.new_empty((numel,)).as_strided(out.shape, out.stride(), 0)
+
+    return fix
+
+
+for _op, _index in ((aten.mse_loss.default, 2), (aten.smooth_l1_loss.default, 2), (aten.soft_margin_loss.default, 2),
+                    (aten.binary_cross_entropy.default, 3)):
+    OUTPUT_FIXES[("cpu", _op)] = _unreduced_loss_storage(_index)
 
 
 def output_fixes(device: str) -> Callable[[Any, tuple, dict, Any], Any]:
@@ -154,7 +178,7 @@ def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY)
         foreach_optimizers=True,
         autocast_lists="cuda",
         allocator=CudaCachingAllocator.from_live,
-        function_mode=cuda_attention,
+        function_mode=cuda_kernels,
     )
 
 

@@ -178,6 +178,27 @@ def test_cuda_traces_use_the_fused_attention_cuda_picks(precision, kernel):
                    for op in cpu_trace.ops)
 
 
+
+@pytest.mark.parametrize("precision, noise_bytes", [("fp32", 4), ("bf16", 2)])
+def test_cuda_dropout_saves_a_bool_mask_where_the_cpu_saves_noise(precision, noise_bytes):
+    """Dropout.cpp: on CUDA, native_dropout keeps a one-byte bool mask for backward; the CPU's composite
+    path keeps a noise tensor of the input's dtype. In place, both take the composite path."""
+    from memplan.estimate import estimate_and_trace
+
+    config = StepConfig(precision=precision, optimizer="sgd")
+    workload = resolve_workload("tests/fixtures/user_models.py:dropout_mlp", 64, {})
+
+    def kept_by_dropout(device: str, module: str) -> list[tuple[str, int]]:
+        _, trace = estimate_and_trace(workload, config, device=device)
+        return sorted((trace.storages[sid].role, trace.storages[sid].nbytes) for op in trace.ops
+                      if op.phase == "forward" and op.step == 0 and op.module == module for sid in op.allocates
+                      if trace.storages[sid].role == "activations")
+
+    elements = 64 * 1024
+    assert kept_by_dropout("cuda", "1") == [("activations", elements)]  # the bool mask
+    assert ("activations", noise_bytes * elements) in kept_by_dropout("cpu", "1")
+    assert kept_by_dropout("cuda", "3") == kept_by_dropout("cpu", "3")  # nn.Dropout(inplace=True)
+
 @pytest.mark.parametrize("factory", ["self_attention", "transformer_encoder"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_models_written_elsewhere_match_the_allocator(factory, precision):

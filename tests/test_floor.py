@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.planner import _realise, nested_candidates, peak_floor, plan_checkpoints
+from memplan.selective import plan_selective
 from memplan.solvers import Solution
 from memplan.step import StepConfig
 from memplan.verify import measure
@@ -59,6 +60,16 @@ def test_floor_lies_under_random_plans(name, config):
         assert floor.peak_bytes <= planned.peak_bytes, chosen
         if trial == 0 and config.precision == "fp32":
             assert floor.peak_bytes <= measure(workload, config, device="cpu", plan=plan).measured_peak_bytes
+
+
+def test_floor_lies_under_a_selective_plan():
+    """Kept op outputs live from forward on, recomputed ones come back with their segment: the same floor."""
+    workload = resolve_workload("gpt2", 4, TINY_OVERRIDES["gpt2"])
+    unplanned = estimate(workload, CONFIG, device="cpu")
+    result = plan_selective(workload, CONFIG, int(0.3 * unplanned.peak_bytes), device="cpu")
+    assert any(segment.policy == "selective" for segment in result.plan.segments)
+    measured = measure(workload, CONFIG, device="cpu", plan=result.plan).measured_peak_bytes
+    assert result.floor.peak_bytes <= min(measured, result.plan.predicted_peak_bytes)
 
 
 def test_floor_counts_everything_a_call_brings_back_at_once():

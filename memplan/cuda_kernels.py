@@ -1,12 +1,17 @@
-"""CUDA's choice of attention kernel, on fake CPU tensors.
+"""CUDA's choice of kernels where it differs from the CPU's, on fake CPU tensors.
 
-On the CPU, `scaled_dot_product_attention` with dropout falls back to the math path, which
+Attention. On the CPU, `scaled_dot_product_attention` with dropout falls back to the math path, which
 materialises the attention matrix; on a CUDA GPU the fused kernels handle dropout and never do.
 So when tracing for CUDA, SDPA goes to the kernel CUDA would pick (torch's
 sdp_utils priority: flash attention, then memory-efficient attention, then math): flash for
 fp16/bf16 without an explicit mask and head dim <= 256, memory-efficient otherwise (fp32, masks).
 Both have meta kernels, so they run under fake tensors with their real saved tensors (output and
 log-sum-exp, not the attention matrix).
+
+Dropout. `aten::dropout` (aten/src/ATen/native/Dropout.cpp) runs the fused `native_dropout` when
+`is_fused_kernel_acceptable`: a CUDA tensor, training, 0 < p < 1, not empty. It saves a bool mask,
+one byte an element. The CPU takes the composite path instead (`bernoulli_` into a noise tensor of the
+input's dtype, 4 bytes an element in fp32), and so does the in-place form on either device.
 """
 
 from __future__ import annotations
@@ -38,17 +43,27 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         )[0]
 
 
+_cpu_dropout = F.dropout
+
+
+def _cuda_dropout(input, p=0.5, training=True, inplace=False):
+    if training and not inplace and 0 < p < 1 and input.numel() > 0:
+        return aten.native_dropout(input, p, True)[0]
+    return _cpu_dropout(input, p, training, inplace)
+
+
 @contextlib.contextmanager
-def cuda_attention() -> Iterator[None]:
-    """Route `torch.nn.functional.scaled_dot_product_attention` to CUDA's kernel choice while tracing.
+def cuda_kernels() -> Iterator[None]:
+    """Route `torch.nn.functional.scaled_dot_product_attention` and `dropout` (which nn.Dropout calls)
+    to CUDA's kernel choices while tracing.
 
     The function is swapped on the module rather than intercepted by a TorchFunctionMode: a mode is
     switched off while its own handler runs, and `Tensor.backward` passes through that handler, so
     the recomputation of checkpointed segments in backward would miss it. Code that bound the
-    function to another name before tracing keeps the CPU's choice."""
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _cuda_sdpa
+    functions to other names before tracing keeps the CPU's choice."""
+    originals = F.scaled_dot_product_attention, F.dropout
+    F.scaled_dot_product_attention, F.dropout = _cuda_sdpa, _cuda_dropout
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        F.scaled_dot_product_attention, F.dropout = originals
