@@ -12,6 +12,13 @@ Dropout. `aten::dropout` (aten/src/ATen/native/Dropout.cpp) runs the fused `nati
 `is_fused_kernel_acceptable`: a CUDA tensor, training, 0 < p < 1, not empty. It saves a bool mask,
 one byte an element. The CPU takes the composite path instead (`bernoulli_` into a noise tensor of the
 input's dtype, 4 bytes an element in fp32), and so does the in-place form on either device.
+
+RMSNorm. `rms_norm` (aten/src/ATen/native/layer_norm.cpp) calls `_fused_rms_norm`, which has a CUDA
+kernel and an autograd formula that keeps the input and rstd, one float per row. A CPU build has no
+kernel for it, so it decomposes there into pow, mean, rsqrt and two products, and keeps the normalized
+input as well: one more tensor the size of the input. While tracing for CUDA, memplan registers CPU
+kernels for `_fused_rms_norm` and its backward that only allocate what CUDA's return, so autograd
+keeps what it keeps on CUDA and the trace names the ops CUDA runs.
 """
 
 from __future__ import annotations
@@ -52,10 +59,28 @@ def _cuda_dropout(input, p=0.5, training=True, inplace=False):
     return _cpu_dropout(input, p, training, inplace)
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """The output, contiguous, and rstd over the leading dimensions (layer_norm_kernel.cu)."""
+    dims = len(normalized_shape)
+    rstd_shape = (*input.shape[: input.dim() - dims], *(1 for _ in range(dims)))
+    return input.new_empty(input.shape), input.new_empty(rstd_shape, dtype=_accumulation_dtype(input.dtype))
+
+
+def _fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    grad_input = input.new_empty(input.shape) if output_mask[0] else None
+    grad_weight = weight.new_empty(weight.shape) if output_mask[1] and weight is not None else None
+    return grad_input, grad_weight
+
+
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
     """Route `torch.nn.functional.scaled_dot_product_attention` and `dropout` (which nn.Dropout calls)
-    to CUDA's kernel choices while tracing.
+    to CUDA's kernel choices while tracing, and give `_fused_rms_norm` the kernels a CPU build lacks
+    (only fake tensors may run while this is active: the kernels allocate but do not compute).
 
     The function is swapped on the module rather than intercepted by a TorchFunctionMode: a mode is
     switched off while its own handler runs, and `Tensor.backward` passes through that handler, so
@@ -63,7 +88,11 @@ def cuda_kernels() -> Iterator[None]:
     functions to other names before tracing keeps the CPU's choice."""
     originals = F.scaled_dot_product_attention, F.dropout
     F.scaled_dot_product_attention, F.dropout = _cuda_sdpa, _cuda_dropout
+    kernels = torch.library.Library("aten", "IMPL")
     try:
+        kernels.impl("_fused_rms_norm", _fused_rms_norm, "CPU")
+        kernels.impl("_fused_rms_norm_backward", _fused_rms_norm_backward, "CPU")
         yield
     finally:
+        kernels._destroy()
         F.scaled_dot_product_attention, F.dropout = originals

@@ -199,6 +199,31 @@ def test_cuda_dropout_saves_a_bool_mask_where_the_cpu_saves_noise(precision, noi
     assert ("activations", noise_bytes * elements) in kept_by_dropout("cpu", "1")
     assert kept_by_dropout("cuda", "3") == kept_by_dropout("cpu", "3")  # nn.Dropout(inplace=True)
 
+
+@pytest.mark.parametrize("precision, kept_output", [("fp32", [64 * 512 * 4]), ("amp-bf16", []), ("bf16", [64 * 512 * 2])])
+def test_cuda_rms_norm_is_one_fused_kernel_that_keeps_only_rstd(precision, kept_output):
+    """layer_norm.cpp: rms_norm runs _fused_rms_norm, which on CUDA keeps the input (made before it)
+    and one float32 rstd per row; a CPU build decomposes it and keeps the normalized input too. (Its
+    output is kept as well, by the next Linear; under autocast, rms_norm runs in float32 and the Linear
+    keeps its bfloat16 copy instead.)"""
+    from memplan.estimate import estimate_and_trace
+
+    config = StepConfig(precision=precision, optimizer="sgd")
+    workload = resolve_workload("tests/fixtures/user_models.py:rms_norm_mlp", 64, {})
+    _, trace = estimate_and_trace(workload, config, device="cuda")
+    forward = [op for op in trace.ops if op.step == 0 and op.phase == "forward" and op.module == "1"]
+    assert {op.name for op in forward} - {"prim.device.default", "aten._to_copy.default"} == {
+        "aten._fused_rms_norm.default"}
+    assert any(op.name == "aten._fused_rms_norm_backward.default" for op in trace.ops)
+    kept = sorted(trace.storages[sid].nbytes for op in forward if op.name == "aten._fused_rms_norm.default"
+                  for sid in op.allocates if trace.storages[sid].role == "activations")
+    assert kept == [64 * 4, *kept_output]
+    _, cpu_trace = estimate_and_trace(workload, config, device="cpu")
+    assert not any("_fused_rms_norm" in op.name for op in cpu_trace.ops)
+    # the kernels that only allocate are gone once tracing ends: real RMSNorm computes again
+    x = torch.randn(3, 8)
+    assert torch.allclose(torch.rms_norm(x, [8], None, 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
 @pytest.mark.parametrize("factory", ["self_attention", "transformer_encoder"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_models_written_elsewhere_match_the_allocator(factory, precision):
