@@ -83,6 +83,11 @@ def main() -> None:
     headers = ["model", "act/weights", "cut", "budget B", "predicted B", "floor B", "measured B", "measured<=budget", "segments",
                "optimal %", *(f"{b} %" for b in BASELINES), "solve s", "plan s (closed loop)"]
     print(tabulate(rows, headers=headers))
+    fitting = sum(1 for row in rows if isinstance(row[4], int) and row[7] != "NO")
+    proven = sum(1 for row in rows if str(row[5]).endswith("> budget"))
+    measured = "" if args.no_measure else ", each CPU-measured under budget"
+    print(f"\n{fitting} of {len(rows)} cells fit{measured}; {proven} are out of reach of any checkpoint plan "
+          f"(floor > budget); {len(rows) - fitting - proven} neither")
 
 
 if __name__ == "__main__":

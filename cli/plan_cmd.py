@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from tabulate import tabulate
@@ -41,7 +41,10 @@ from memplan.planner import DEFAULT_GPU, alternatives, max_batch, plan_checkpoin
 from memplan.solvers import SOLVERS
 from memplan.step import StepConfig
 from memplan.units import format_bytes
-from memplan.workload import parse_options, resolve_workload
+from memplan.workload import Workload, parse_options, resolve_workload
+
+if TYPE_CHECKING:
+    from memplan.gpus import GpuSpec
 
 BudgetOpt = Annotated[
     str | None,
@@ -86,14 +89,12 @@ def plan_command(
     """Choose the cheapest activation checkpoints that make the training step fit the budget (or the --gpu)."""
     from memplan import report
 
-    card = resolve_gpu(gpu, [precision], device)
-    budget_bytes = budget_or_gpu(budget, card)
+    card, budget_bytes = _card_and_budget(gpu, precision, device, budget)
     if method not in SOLVERS or method == "brute-force":
         raise BadInput(f"unknown method {method!r}; expected one of: {', '.join(m for m in SOLVERS if m != 'brute-force')}")
     if plot:
         report.check_plot_path(plot)
-    workload = resolve_workload(model, batch_size, parse_options(set_ or []))
-    config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
+    workload, config = _workload_and_step(model, batch_size, set_, precision, optimizer, grad_accum)
     with progress(f"planning {model}: solving and re-estimating the checkpointed step ...", quiet):
         if selective:
             from memplan.selective import plan_selective
@@ -190,6 +191,23 @@ def plan_command(
         )
 
 
+def _card_and_budget(
+    gpu: str | None, precision: str, device: str, budget: str | None
+) -> tuple[GpuSpec | None, int]:
+    """The --gpu card (after warning if it lacks hardware for the precision) and the budget: --budget,
+    else the card's usable memory."""
+    card = resolve_gpu(gpu, [precision], device)
+    return card, budget_or_gpu(budget, card)
+
+
+def _workload_and_step(
+    model: str, batch_size: int | None, set_: list[str] | None, precision: str, optimizer: str, grad_accum: int
+) -> tuple[Workload, StepConfig]:
+    """The model with its --set options at `batch_size` (None: the factory's default), and the step to plan."""
+    workload = resolve_workload(model, batch_size, parse_options(set_ or []))
+    return workload, StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
+
+
 def _kept(segment) -> str:
     """What a selective segment keeps, as short op names: "addmm#0, mm" (call 0 of addmm, every mm);
     nothing for a full one."""
@@ -233,10 +251,8 @@ def max_batch_command(
     as_json: JsonOpt = False,
 ) -> None:
     """The largest batch size that fits the budget (or the --gpu), without and with an optimal checkpoint plan."""
-    card = resolve_gpu(gpu, [precision], device)
-    budget_bytes = budget_or_gpu(budget, card)
-    workload = resolve_workload(model, None, parse_options(set_ or []))
-    config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum)
+    card, budget_bytes = _card_and_budget(gpu, precision, device, budget)
+    workload, config = _workload_and_step(model, None, set_, precision, optimizer, grad_accum)
     with progress(f"searching the largest batch of {model} that fits {format_bytes(budget_bytes)} ...", quiet):
         result = max_batch(workload, config, budget_bytes, device, gpu=card and card.name)
     plan = result.plan_at_max

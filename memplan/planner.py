@@ -1,8 +1,9 @@
 """Plan activation checkpoints: the cheapest set of recompute segments whose step fits a budget.
 
     trace -> candidates (modules at every depth, runs of chained siblings, with cost-model numbers)
-    -> solver -> Plan -> re-estimate the checkpointed model under fake tensors (closed loop)
-    -> tighten and solve again if it does not fit.
+    -> solver -> Plan -> re-estimate the checkpointed model under fake tensors
+    -> tighten and solve again if it does not fit; bisect for a cheaper plan that still fits
+       (the closed loop, memplan.closed_loop, which the selective planner runs too).
 
 The exact solvers search the nested candidates (`nested_candidates`); the baselines checkpoint the
 outermost blocks (`candidate_blocks`), as a user would.
@@ -17,6 +18,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from memplan.closed_loop import Candidate, ClosedLoop, Outcome
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.estimate import Estimate, estimate, estimate_and_trace
@@ -51,11 +53,13 @@ def candidate_blocks(
     trace: Trace,
     block_bytes: Callable[[int], int] = lambda n: n,
     seconds_of: Callable[[int, int], float] = lambda flops, bytes_moved: 0.0,
+    writers: dict[int, list[int]] | None = None,
 ) -> Candidates:
     """The chain of blocks to choose from, in forward order: the outermost children of nn.Sequential /
     nn.ModuleList containers (blocks called in a loop), and the model's direct children that hold none.
     Cost-model numbers come from the first forward of the trace; `seconds_of(flops, bytes moved)` times
-    one op's recomputation (a roofline on the target GPU), summed over the block."""
+    one op's recomputation (a roofline on the target GPU), summed over the block. `writers`:
+    _writers(trace), where the caller has it already."""
     first_forward = [c for c in trace.calls if c.phase == "forward" and c.step == 0]
     calls_per_path = _calls_per_path(trace)
     seen: set[str] = set()
@@ -82,7 +86,7 @@ def candidate_blocks(
             outermost.append(call)
 
     forward_end = max((c.end_op for c in first_forward), default=0)
-    writers = _writers(trace)
+    writers = _writers(trace) if writers is None else writers
     blocks, excluded = [], []
     previous: ModuleCall | None = None  # the call of the last block kept
     for call in outermost:
@@ -120,11 +124,13 @@ def nested_candidates(
     trace: Trace,
     block_bytes: Callable[[int], int] = lambda n: n,
     seconds_of: Callable[[int, int], float] = lambda flops, bytes_moved: 0.0,
+    writers: dict[int, list[int]] | None = None,
 ) -> NestedCandidates:
     """Submodules at any depth: a module, or a run of consecutive siblings that their parent chains as
     `x = block(x)` (see _joins_run), may be one segment, on the same safety rules as `candidate_blocks`.
     The first forward's module calls nest by their op ranges; the leaves of that tree, plus each module's
-    own ops outside its children, become the chain the solver sees."""
+    own ops outside its children, become the chain the solver sees. `writers`: _writers(trace), where the
+    caller has it already."""
     root = min(
         (c for c in trace.calls if c.path == "" and c.phase == "forward" and c.step == 0),
         key=lambda c: c.first_op,
@@ -139,7 +145,7 @@ def nested_candidates(
          and root.first_op <= c.first_op and c.end_op <= root.end_op and calls_per_path[c.path] <= passes),
         key=lambda c: (c.first_op, -c.end_op),
     )
-    writers = _writers(trace)
+    writers = _writers(trace) if writers is None else writers
     unsafe = {c.path: _unsafe_reason(trace, writers, c, root.end_op) for c in inside}
     position: dict[str, int] = {}  # each module's place among its parent's children, in registration order
     children_seen: dict[str, int] = {}
@@ -322,12 +328,12 @@ class Floor:
     - its operands, and what lives through the whole step (weights, inputs, optimizer state, and the
       parameter gradients made so far);
     - every tensor made in backward or by the optimizer, from its op to the last op that reads it (the
-      gradients in flight);
+      gradients in flight; a gradient that autograd sums in place ends where the sum begins);
     - every tensor made in forward outside all submodules, up to the last op that reads it: no segment
       can hold it, so it is never recomputed;
-    - a submodule call's activations still to be read, once its backward has read the first of those it
-      does not return: a segment recomputes everything it saves at once, when its backward first reads
-      one, and no segment splits a call."""
+    - a submodule call's activations still to be read, once its backward has read the first of those
+      nothing outside the call sees: a segment recomputes everything it saves at once, when its backward
+      first reads one, and no segment splits a call."""
 
     peak_bytes: int
     op: str  # the backward or optimizer op that sets it
@@ -355,19 +361,38 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
             for sid in (*op.reads, *op.writes):
                 first_read.setdefault(sid, op.index)
                 last_read[sid] = op.index
+    # autograd's gradient sums that eager PyTorch does in place (see estimate._in_place_accumulation):
+    # the summand freed right after the sum is the sum's own memory, so it stops counting at the sum
+    summed_into = {
+        sid: op.index for op in trace.ops if op.accumulates_in_place for sid in op.reads
+        if freed_after.get(sid) == op.index
+        and any(trace.storages[out].nbytes == trace.storages[sid].nbytes for out in op.allocates)
+    }
+    for sid, index in summed_into.items():
+        last_read[sid] = index - 1
 
     unit = [-1] * n  # the innermost submodule call running each forward op (-1: outside all of them)
     calls = sorted((c for c in trace.calls if c.phase == "forward" and c.path), key=lambda c: (c.first_op, -c.end_op))
     for number, call in enumerate(calls):
         unit[call.first_op : call.end_op] = [number] * (call.end_op - call.first_op)
-    # each call's first read, after forward, of a tensor it made and does not return: only a backward op
-    # of its own reads that, which brings back (unless kept) everything a segment around the call saved
+    # each call's first read, after forward, of a tensor it made that nothing outside it sees (not its
+    # output, not read in forward by an op outside it): only a backward op of its own reads that, which
+    # brings back (unless kept) everything a segment around the call saved
+    escaped = set()
+    for op in trace.ops:
+        if op.phase == "forward":
+            for sid in op.reads:
+                made_by = trace.storages[sid].allocated_by
+                if made_by is not None and unit[made_by] != -1:
+                    call = calls[unit[made_by]]
+                    if not call.first_op <= op.index < call.end_op or sid in call.outputs:
+                        escaped.add(sid)
     unit_start: dict[int, int] = {}
     for sid, first in first_read.items():
         made_by = trace.storages[sid].allocated_by
-        if sid not in persistent and made_by is not None and trace.ops[made_by].phase == "forward":
+        if sid not in persistent and sid not in escaped and made_by is not None and trace.ops[made_by].phase == "forward":
             u = unit[made_by]
-            if u != -1 and sid not in calls[u].outputs:
+            if u != -1:
                 unit_start[u] = min(unit_start.get(u, first), first)
 
     certain: dict[int, tuple[int, int]] = {}  # storage -> the ops [start, end] it is certainly live across
@@ -399,6 +424,7 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
             for sid in operands
             if not (sid in persistent and sid not in op.allocates)
             and not (sid in certain and certain[sid][0] <= op.index <= certain[sid][1])
+            and summed_into.get(sid) != op.index
         )
         total = live + extra + op.scratch_bytes
         if total > best.peak_bytes:
@@ -428,7 +454,8 @@ def plan_checkpoints(
     The result's plan has feasible=False, with the smallest peak reached, when none fits."""
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
     block_bytes, seconds_of = device_model(device, gpu).block_bytes, roofline(gpu, config.precision)
-    candidates = candidate_blocks(trace, block_bytes, seconds_of)
+    writers = _writers(trace)
+    candidates = candidate_blocks(trace, block_bytes, seconds_of, writers)
 
     def chain(budget: int) -> ChainProblem:
         """The outermost blocks, as the baselines checkpoint them."""
@@ -437,7 +464,7 @@ def plan_checkpoints(
 
     problem_at = chain
     if method in EXACT_METHODS:
-        nested = nested_candidates(trace, block_bytes, seconds_of)
+        nested = nested_candidates(trace, block_bytes, seconds_of, writers)
         nested_fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in nested.leaves))
 
         def problem_at(budget: int) -> ChainProblem:
@@ -447,58 +474,40 @@ def plan_checkpoints(
         # an outermost block that a run may still cover (bn1 inside conv1..maxpool) is not excluded
         in_runs = {path for span in nested.spans for path in span.paths}
         candidates = replace(candidates, excluded=tuple(e for e in candidates.excluded if e.path not in in_runs))
-    solver_budget = budget_bytes
-    best: tuple[Plan, Estimate, Solution] | None = None
-    realised: dict[tuple, tuple[Plan, Estimate]] = {}
-    excess_scale = 1
-    loose: int | None = None  # the last solver budget whose plan did not fit
-    for _ in range(CLOSED_LOOP_ROUNDS):
-        solution = _solve(method, problem_at(solver_budget))
-        if solution.segments in realised:
-            excess_scale *= 2  # the same choice again: tighten harder
-        else:
-            realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
-        plan, planned = realised[solution.segments]
-        if best is None or plan.feasible or planned.peak_bytes < best[1].peak_bytes:
-            best = (plan, planned, solution)
-        if plan.feasible or not solution.feasible:
-            break
-        # the cost model was optimistic: tighten the solver's budget by what the estimator found over
-        loose = solver_budget
-        solver_budget -= excess_scale * (planned.peak_bytes - budget_bytes)
-    if best[0].feasible and best[0].segments:
+
+    def candidate(solution: Solution) -> Candidate[Solution]:
+        return Candidate(_draft(workload, config, device, solution, budget_bytes, unplanned), solution.feasible, solution)
+
+    # The setting is the solver's budget, one number: lowered by what the estimator found over the budget.
+    loop = ClosedLoop(
+        solve=lambda setting: candidate(_solve(method, problem_at(setting[0]))),
+        realise=lambda draft: _re_estimate(workload, config, device, draft, unplanned, gpu),
+        tighten=lambda setting, over, scale: (setting[0] - scale * (over.planned.peak_bytes - budget_bytes),),
+    )
+    tightened = loop.until_fits((budget_bytes,), CLOSED_LOOP_ROUNDS)
+    # the plan that fits, else the lowest peak reached (the first of equals)
+    best = tightened.outcomes[-1] if tightened.fits else min(tightened.outcomes, key=lambda o: o.planned.peak_bytes)
+    if tightened.fits and best.plan.segments:
         # The cost model is only a model: a looser solver budget may still give a plan that really
         # fits, and costs less. Bisect between the solver budget whose plan fits and the last one
         # whose plan did not (or the unplanned peak, where no checkpoint is needed).
-        loose = unplanned.peak_bytes if loose is None else loose
-        tight = solver_budget
-        for _ in range(BISECTION_ROUNDS):
-            middle = (loose + tight) // 2
-            solution = _solve(method, problem_at(middle))
-            if solution.segments not in realised:
-                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
-            plan, planned = realised[solution.segments]
-            if plan.feasible:
-                tight = middle
-                if plan.recompute_flops < best[0].recompute_flops:
-                    best = (plan, planned, solution)
-            else:
-                loose = middle
+        loose = (unplanned.peak_bytes,) if tightened.loose is None else tightened.loose
+        bisected = loop.bisect(loose, tightened.setting, BISECTION_ROUNDS)
+        # the plan that fits and recomputes least (the first of equals)
+        best = min([best, *(o for o in bisected if o.plan.feasible)], key=lambda o: o.plan.recompute_flops)
     if method in EXACT_METHODS and candidates.blocks:
         # The cost model can be pessimistic where a baseline's real peak fits: never return a plan
         # that recomputes more than a baseline the estimator shows fitting, and when nothing fits,
         # report the lowest peak any of them reached.
         for baseline in BASELINES:
             solution = _solve(baseline, chain(budget_bytes))
-            if solution.segments not in realised:
-                realised[solution.segments] = _realise(workload, config, device, solution, budget_bytes, unplanned, gpu)
-            plan, planned = realised[solution.segments]
-            cheaper = plan.feasible and (not best[0].feasible or plan.recompute_flops < best[0].recompute_flops)
-            lower = not plan.feasible and not best[0].feasible and planned.peak_bytes < best[1].peak_bytes
+            outcome = loop.outcome(candidate(solution))
+            plan, planned = outcome.plan, outcome.planned
+            cheaper = plan.feasible and (not best.plan.feasible or plan.recompute_flops < best.plan.recompute_flops)
+            lower = not plan.feasible and not best.plan.feasible and planned.peak_bytes < best.planned.peak_bytes
             if cheaper or lower:
-                best = (replace(plan, method=f"{method} (via {baseline})"), planned, solution)
-    plan, planned, solution = best
-    return PlanResult(plan, unplanned, planned, candidates, solution, peak_floor(trace, block_bytes))
+                best = Outcome(replace(plan, method=f"{method} (via {baseline})"), planned, solution)
+    return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, block_bytes))
 
 
 def _solve(method: str, problem: ChainProblem) -> Solution:
@@ -507,17 +516,11 @@ def _solve(method: str, problem: ChainProblem) -> Solution:
     return SOLVERS[method](problem)
 
 
-def _realise(
-    workload: Workload,
-    config: StepConfig,
-    device: str,
-    solution: Solution,
-    budget_bytes: int,
-    unplanned: Estimate,
-    gpu: str | None,
-) -> tuple[Plan, Estimate]:
-    """The solver's segments as a Plan, with the peak and FLOPs the estimator gives the checkpointed model."""
-    draft = Plan(
+def _draft(
+    workload: Workload, config: StepConfig, device: str, solution: Solution, budget_bytes: int, unplanned: Estimate
+) -> Plan:
+    """The solver's segments as a Plan, before re-estimation (not feasible, no predicted peak yet)."""
+    return Plan(
         model=workload.spec,
         batch_size=workload.effective_batch_size,
         precision=config.precision,
@@ -532,8 +535,15 @@ def _realise(
         unplanned_peak_bytes=unplanned.peak_bytes,
         recompute_flops=0,
         step_flops=unplanned.step_flops,
+        recompute_seconds=solution.recompute_seconds,
         options=dict(workload.options),
     )
+
+
+def _re_estimate(
+    workload: Workload, config: StepConfig, device: str, draft: Plan, unplanned: Estimate, gpu: str | None
+) -> tuple[Plan, Estimate]:
+    """The draft with the peak and FLOPs the estimator gives the checkpointed model, and that estimate."""
     planned = (
         estimate(workload, config, device, transform=lambda model: apply_plan(model, draft), gpu=gpu)
         if draft.segments
@@ -541,12 +551,25 @@ def _realise(
     )
     plan = replace(
         draft,
-        feasible=planned.peak_bytes <= budget_bytes,
+        feasible=planned.peak_bytes <= draft.budget_bytes,
         predicted_peak_bytes=planned.peak_bytes,
         recompute_flops=max(0, planned.step_flops - unplanned.step_flops),
-        recompute_seconds=solution.recompute_seconds,
     )
     return plan, planned
+
+
+def _realise(
+    workload: Workload,
+    config: StepConfig,
+    device: str,
+    solution: Solution,
+    budget_bytes: int,
+    unplanned: Estimate,
+    gpu: str | None,
+) -> tuple[Plan, Estimate]:
+    """The solver's segments as a Plan, with the peak and FLOPs the estimator gives the checkpointed model."""
+    draft = _draft(workload, config, device, solution, budget_bytes, unplanned)
+    return _re_estimate(workload, config, device, draft, unplanned, gpu)
 
 
 @dataclass(frozen=True)
@@ -565,6 +588,12 @@ class Alternative:
 LOWER_PRECISIONS = {"fp32": "amp-bf16", "tf32": "amp-bf16", "amp-fp16": "fp16-master", "amp-bf16": "bf16", "fp16-master": "fp16"}
 LIGHTER_OPTIMIZERS = {"adam": "adamw-8bit", "adamw": "adamw-8bit", "adamw-8bit": "adafactor", "rmsprop": "sgd-momentum", "adagrad": "sgd-momentum", "sgd-momentum": "sgd"}
 
+# What torch raises where a model cannot run a changed step; the estimator passes it on as it is (only
+# the model factory's own errors become BadInput): ValueError from its argument checks (BatchNorm at
+# micro-batch 1: "Expected more than 1 value per channel when training"), RuntimeError from its ops'
+# shape checks (a model that hard-codes its batch size: "shape '[8, 16]' is invalid for input of size 64").
+MODEL_CANNOT_RUN = (ValueError, RuntimeError)
+
 
 def alternatives(
     workload: Workload, config: StepConfig, budget_bytes: int, device: str, gpu: str | None = None
@@ -572,10 +601,10 @@ def alternatives(
     """What would fit instead: a smaller micro-batch with gradient accumulation giving the same
     effective batch, a lower precision, a lighter optimizer — each re-estimated."""
     def peak_of(changed_workload: Workload, changed_config: StepConfig) -> int | None:
-        """The re-estimated peak; None where the model cannot run that way (BatchNorm at micro-batch 1)."""
+        """The re-estimated peak; None where the model cannot run that way (see MODEL_CANNOT_RUN)."""
         try:
             return estimate(changed_workload, changed_config, device, gpu=gpu).peak_bytes
-        except (ValueError, RuntimeError):
+        except MODEL_CANNOT_RUN:
             return None
 
     found = []

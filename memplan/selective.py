@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Setting
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.errors import BadInput
@@ -628,12 +629,24 @@ def _with_residues(blocks: Sequence[BlockProfile], residues: dict[str, int]) -> 
 
 
 @dataclass(frozen=True)
-class _Realised:
-    plan: Plan
-    planned: Estimate
-    seconds: float  # recompute roofline seconds
-    solution: SelectiveSolution | None
-    problem: tuple = ()  # (blocks, fixed, forward fixed, recompute fixed bytes) the solution was solved for
+class _Problem:
+    """One chain DP: the blocks, with the forward residues learnt by then, and the fixed bytes per phase."""
+
+    blocks: Sequence[BlockProfile]
+    fixed_bytes: int
+    forward_fixed_bytes: int
+    recompute_fixed_bytes: int
+
+    def solve(self, budget_bytes: int, objective: str, bound: bool) -> SelectiveSolution:
+        return solve_selective_chain(self.blocks, self.fixed_bytes, budget_bytes, objective,
+                                     forward_fixed_bytes=self.forward_fixed_bytes,
+                                     recompute_fixed_bytes=self.recompute_fixed_bytes, bound=bound)
+
+
+@dataclass(frozen=True)
+class _Solved:
+    solution: SelectiveSolution
+    problem: _Problem  # to bound the solution's gap, once it is the one chosen
 
 
 def plan_selective(
@@ -676,113 +689,94 @@ def plan_selective(
     residues: dict[str, int] = {}  # learnt from each re-estimated plan, per block checkpointed alone
     block_bytes = device_model(device).block_bytes
 
-    def realise(plan: Plan, solution: SelectiveSolution | None, problem: tuple = ()) -> _Realised:
+    def realise(plan: Plan) -> tuple[Plan, Estimate]:
         planned, planned_trace = cache.realise(workload, config, device, plan)
         residues.update(_forward_residues(planned_trace, plan, {b.path for b in blocks}, block_bytes))
         seconds = max(0.0, step_seconds(planned_trace, spec, config.precision) - base_seconds)
         plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                        recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
-        return _Realised(plan, planned, seconds, solution, problem)
+        return plan, planned
 
-    def cost(r: _Realised) -> float:
-        return r.seconds if objective == "seconds" else float(r.plan.recompute_flops)
-
-    solve_seconds = 0.0
-    realised: dict[tuple, _Realised] = {}
-
-    def consider(solution: SelectiveSolution, problem: tuple) -> _Realised:
-        """The solution's plan, re-estimated (once per distinct plan)."""
-        segments = _segments(blocks, solution)
-        if segments not in realised:
-            draft = Plan(
-                model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
-                optimizer=config.optimizer, grad_accum=config.grad_accum, device=device, method=method,
-                segments=segments, feasible=False, budget_bytes=budget_bytes, predicted_peak_bytes=0,
-                unplanned_peak_bytes=unplanned.peak_bytes, recompute_flops=0, step_flops=unplanned.step_flops,
-                options=dict(workload.options))
-            realised[segments] = realise(draft, solution, problem)
-        return realised[segments]
+    def cost(r: Outcome) -> float:
+        return r.plan.recompute_seconds if objective == "seconds" else float(r.plan.recompute_flops)
 
     def in_time() -> bool:
         return time_limit_s is None or time.perf_counter() - started < time_limit_s
 
-    def solve(chain: Sequence[BlockProfile], margins: tuple[int, int]) -> tuple[SelectiveSolution, tuple]:
-        nonlocal solve_seconds
+    solve_seconds = 0.0
+
+    def solver(chain: Sequence[BlockProfile]) -> Callable[[Setting], Candidate[_Solved]]:
+        """Solve `chain` with the setting's (backward, forward) margins added to the fixed bytes."""
+
+        def solve(margins: Setting) -> Candidate[_Solved]:
+            nonlocal solve_seconds
+            backward, forward = margins
+            problem = _Problem(_with_residues(chain, residues), fixed + backward,
+                               (fixed if forward_fixed is None else forward_fixed) + forward, recompute_fixed + backward)
+            solution = problem.solve(target, objective, bound=False)
+            solve_seconds += solution.solve_seconds
+            draft = Plan(
+                model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
+                optimizer=config.optimizer, grad_accum=config.grad_accum, device=device, method=method,
+                segments=_segments(blocks, solution), feasible=False, budget_bytes=budget_bytes,
+                predicted_peak_bytes=0, unplanned_peak_bytes=unplanned.peak_bytes, recompute_flops=0,
+                step_flops=unplanned.step_flops, options=dict(workload.options))
+            return Candidate(draft, solution.feasible, _Solved(solution, problem))
+
+        return solve
+
+    def tighten(margins: Setting, over: Outcome, scale: int) -> Setting | None:
+        """Add what the estimator found over the target to the fixed bytes of the phase that peaked."""
+        phase = over.planned.peak_phase
+        if phase not in ("forward", "backward"):
+            return None
+        excess = scale * max(1, over.planned.peak_bytes - target)
         backward, forward = margins
-        problem = (_with_residues(chain, residues), fixed + backward,
-                   (fixed if forward_fixed is None else forward_fixed) + forward, recompute_fixed + backward)
-        solution = solve_selective_chain(problem[0], problem[1], target, objective, forward_fixed_bytes=problem[2],
-                                         recompute_fixed_bytes=problem[3], bound=False)
-        solve_seconds += solution.solve_seconds
-        return solution, problem
+        return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
 
-    def closed_loop(chain: Sequence[BlockProfile]) -> tuple | None:
-        """Solve, re-estimate, and where the plan does not fit, add what the estimator found over to the
-        fixed bytes of the phase that peaked (the forward's or the backward's). Returns the last margins
-        whose plan did not fit and those whose plan did, when both exist, for bisect()."""
-        margins, scale, loose = (0, 0), 1, None
-        for _ in range(CLOSED_LOOP_ROUNDS):
-            solution, problem = solve(chain, margins)
-            repeated = _segments(blocks, solution) in realised
-            outcome = consider(solution, problem)
-            phase = outcome.planned.peak_phase
-            if outcome.plan.feasible or not solution.feasible or phase not in ("forward", "backward"):
-                break
-            if repeated:
-                scale *= 2
-            loose = margins
-            excess = scale * max(1, outcome.planned.peak_bytes - target)
-            margins = (margins[0] + excess, margins[1]) if phase == "backward" else (margins[0], margins[1] + excess)
-        return (loose, margins) if outcome.plan.feasible and loose is not None else None
-
-    def bisect(chain: Sequence[BlockProfile], bracket: tuple, rounds: int) -> None:
-        """The model was optimistic at `loose` and is pessimistic at `tight`: look in between."""
-        loose, tight = bracket
-        for _ in range(rounds):
-            if not in_time():
-                return
-            middle = ((loose[0] + tight[0]) // 2, (loose[1] + tight[1]) // 2)
-            fits = consider(*solve(chain, middle)).plan.feasible
-            loose, tight = (loose, middle) if fits else (middle, tight)
-
-    bracket = closed_loop(blocks)
-    if in_time():
-        closed_loop([b.block_level() for b in blocks])  # every block-level plan is a selective one too
-    if bracket is not None:
-        bisect(blocks, bracket, BISECTION_ROUNDS)
+    loop = ClosedLoop(solver(blocks), realise, tighten)
+    tightened = loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
+    if in_time():  # every block-level plan is a selective one too
+        block_level = replace(loop, solve=solver([b.block_level() for b in blocks]))  # shares loop.realised
+        block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
+    if tightened.fits and tightened.loose is not None:
+        loop.bisect(tightened.loose, tightened.setting, BISECTION_ROUNDS, in_time)
     external = []
     for baseline in baselines:
-        outcome = realise(replace(baseline, budget_bytes=budget_bytes), None)
-        realised.setdefault(outcome.plan.segments, outcome)
+        plan, planned = realise(replace(baseline, budget_bytes=budget_bytes))
+        outcome = Outcome(plan, planned, None)
+        loop.realised.setdefault(plan.segments, outcome)
         external.append(outcome)
 
-    def beats_baselines(r: _Realised) -> bool:
-        return all(r.plan.recompute_flops <= b.plan.recompute_flops and r.seconds <= b.seconds + 1e-15
+    def beats_baselines(r: Outcome) -> bool:
+        return all(r.plan.recompute_flops <= b.plan.recompute_flops
+                   and r.plan.recompute_seconds <= b.plan.recompute_seconds + 1e-15
                    for b in external if b.plan.feasible)
 
-    fitting = [r for r in realised.values() if r.plan.feasible]
+    realised = loop.realised.values()
+    fitting = [r for r in realised if r.plan.feasible]
     if fitting:
         best = min([r for r in fitting if beats_baselines(r)] or fitting, key=lambda r: (cost(r), r.planned.peak_bytes))
     else:
-        best = min(realised.values(), key=lambda r: (r.planned.peak_bytes, cost(r)))
+        best = min(realised, key=lambda r: (r.planned.peak_bytes, cost(r)))
     exclusions = tuple((b.path, name, why) for b in blocks for name, why in b.exclusions)
-    solution = best.solution
+    solved: _Solved | None = best.solution  # None where the plan is a baseline passed in
+    solution = None if solved is None else solved.solution
     if solution is not None and solution.feasible and in_time():  # its gap, once: the bound costs two solves
-        chain, backward_fixed, forward_fixed_bytes, recompute_fixed_bytes = best.problem
-        bounded = solve_selective_chain(chain, backward_fixed, target, objective, forward_fixed_bytes=forward_fixed_bytes,
-                                        recompute_fixed_bytes=recompute_fixed_bytes)
+        bounded = solved.problem.solve(target, objective, bound=True)
         solve_seconds += bounded.solve_seconds
         solution = replace(solution, optimality_gap=bounded.optimality_gap)
+    seconds = best.plan.recompute_seconds
     compat = Solution(
         method=best.plan.method, segments=tuple(s.modules for s in best.plan.segments),
         feasible=best.plan.feasible, modelled_peak_bytes=solution.modelled_peak_bytes if solution else 0,
-        recompute_flops=best.plan.recompute_flops, recompute_seconds=best.seconds, solve_seconds=solve_seconds,
+        recompute_flops=best.plan.recompute_flops, recompute_seconds=seconds, solve_seconds=solve_seconds,
         optimality_gap=solution.optimality_gap if solution else None)
     return SelectiveResult(
         plan=best.plan, unplanned=unplanned, planned=best.planned, candidates=candidates, solution=compat,
         selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
-        recompute_seconds=best.seconds, step_seconds=base_seconds, gpu=spec.name, objective=objective,
-        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(realised),
+        recompute_seconds=seconds, step_seconds=base_seconds, gpu=spec.name, objective=objective,
+        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(loop.realised),
         floor=peak_floor(trace, block_bytes))
 
 

@@ -34,6 +34,16 @@ def test_floor_lies_under_every_plan_measured_or_predicted():
     assert floor.peak_bytes <= measure(workload, CONFIG, device="cpu", plan=lowest).measured_peak_bytes
 
 
+@pytest.mark.parametrize("name", [*TINY_OVERRIDES, "tests/fixtures/user_models.py:self_attention",
+                                  "tests/fixtures/user_models.py:transformer_encoder",
+                                  "tests/fixtures/user_models.py:gru_conv1d"])
+def test_floor_lies_under_the_unplanned_peak(name):
+    """No plan is a plan too. (self_attention sums gradients in place, which the floor once counted twice.)"""
+    workload = resolve_workload(name, 4, TINY_OVERRIDES.get(name, {}))
+    unplanned, trace = estimate_and_trace(workload, StepConfig(precision="fp32", optimizer="adamw", steps=2), "cpu")
+    assert 0 < peak_floor(trace).peak_bytes <= unplanned.peak_bytes
+
+
 @pytest.mark.parametrize("name, config", [
     ("gpt2", CONFIG),
     ("unet", CONFIG),

@@ -2,16 +2,22 @@
 CPU allocator on the emitted model."""
 
 import json
+import math
+from dataclasses import replace
 
 import pytest
+import torch
+from torch import nn
 from typer.testing import CliRunner
 
 from cli.main import app
+from memplan.closed_loop import Candidate, ClosedLoop
 from memplan.estimate import estimate, estimate_and_trace
-from memplan.planner import candidate_blocks, max_batch, nested_candidates, plan_checkpoints
+from memplan.plan import Plan, Segment
+from memplan.planner import alternatives, candidate_blocks, max_batch, nested_candidates, plan_checkpoints
 from memplan.step import StepConfig
 from memplan.verify import measure
-from memplan.workload import resolve_workload
+from memplan.workload import Workload, resolve_workload
 from models import TINY_OVERRIDES
 
 CONFIG = StepConfig(precision="fp32", optimizer="sgd", steps=2)
@@ -25,6 +31,53 @@ def _gpt(layers=6):
 @pytest.fixture(scope="module")
 def gpt_unplanned():
     return estimate(_gpt(), CONFIG, device="cpu")
+
+
+def test_the_closed_loop_tightens_until_a_plan_fits_then_bisects():
+    """A toy solver whose cost model is optimistic: with n segments the plan really peaks at 200 - 20n
+    bytes, the model says 200 - 25n. Asked to fit 100 it picks 4 segments (120 bytes); the loop tightens
+    its budget by the 20 over and gets 5, which fits; bisecting between 100 and 80 finds nothing cheaper
+    and re-estimates no plan twice."""
+    draft = Plan("toy", 1, "fp32", "sgd", 1, "cpu", "toy", (), False, 100, 0, 200, 0, 1)
+    estimated = []
+
+    def solve(setting):
+        n = math.ceil((200 - setting[0]) / 25)
+        return Candidate(replace(draft, segments=tuple(Segment((f"b{i}",)) for i in range(n))), True, n)
+
+    def realise(plan):
+        estimated.append(len(plan.segments))
+        peak = 200 - 20 * len(plan.segments)
+        return replace(plan, feasible=peak <= 100, predicted_peak_bytes=peak), None
+
+    def tighten(setting, outcome, scale):
+        return (setting[0] - scale * (outcome.plan.predicted_peak_bytes - 100),)
+
+    loop = ClosedLoop(solve, realise, tighten)
+    tightened = loop.until_fits((100,), rounds=8)
+    assert [o.solution for o in tightened.outcomes] == [4, 5]
+    assert tightened.fits and (tightened.loose, tightened.setting) == ((100,), (80,))
+    bisected = loop.bisect(tightened.loose, tightened.setting, rounds=3)
+    assert [o.solution for o in bisected] == [5, 5, 5] and all(o.plan.feasible for o in bisected)
+    assert estimated == [4, 5] and list(loop.realised) == [o.plan.segments for o in tightened.outcomes]
+
+
+def test_alternatives_skip_a_micro_batch_the_model_cannot_run():
+    """A model that hard-codes its batch size of 8 makes torch raise a RuntimeError at micro-batch 4, 2
+    or 1 (BatchNorm at micro-batch 1: a ValueError, tests/test_floor.py): those are skipped, the lower
+    precision is still offered."""
+
+    class BatchOfEight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.linear(x).view(8, 16)
+
+    workload = Workload("batch-of-eight", lambda batch_size=8: (BatchOfEight(), (torch.randn(batch_size, 16),)), 8, {})
+    found = alternatives(workload, CONFIG, 2**30, "cpu")
+    assert [a.description for a in found] == ["precision amp-bf16"]
 
 
 @pytest.mark.parametrize("cut", [0.25, 0.5])

@@ -1,0 +1,113 @@
+"""The closed loop both planners run (memplan.planner, memplan.selective): solve, re-estimate, tighten, bisect.
+
+A solver chooses a plan by its cost model, which is only a model: the estimator, run on the model with
+the plan applied, says what the plan really peaks at. So a planner
+
+1. `until_fits`: solves at a setting (what the solver is asked to fit: the block-level planner's budget,
+   the selective planner's margins per phase), re-estimates the plan, and where it does not fit,
+   tightens the setting by what the estimator found over (twice as hard each time the solver returns a
+   plan already seen) and solves again, until a plan fits or the solver finds none;
+2. `bisect`: the cost model was optimistic at the last setting whose plan did not fit, and may have been
+   pessimistic at the one whose plan fits: a plan solved in between may still fit and cost less.
+
+A planner says how to solve at a setting, how to re-estimate a plan and how to tighten a setting; which
+of the plans re-estimated it returns is its own choice. Each plan is re-estimated once: `realised`
+keeps every one by its segments, in the order first seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from memplan.estimate import Estimate
+from memplan.plan import Plan, Segment
+
+S = TypeVar("S")  # a solver's own record of a solution, carried to the planner's result
+
+Setting = tuple[int, ...]  # what the solver is asked to fit, as the planner defines it
+
+
+@dataclass(frozen=True)
+class Candidate(Generic[S]):
+    """A solver's answer, not yet re-estimated."""
+
+    draft: Plan  # its segments as a plan; feasibility, peak and recompute cost not filled in yet
+    modelled_fit: bool  # whether the solver's cost model says it fits
+    solution: S
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[S]):
+    """A plan as the estimator sees it on the model with the plan applied."""
+
+    plan: Plan  # feasible, predicted peak and recompute cost: the estimator's
+    planned: Estimate
+    solution: S  # of the first candidate that gave these segments
+
+
+@dataclass(frozen=True)
+class Tightened(Generic[S]):
+    """Where `until_fits` stopped."""
+
+    outcomes: tuple[Outcome[S], ...]  # one per round, in order
+    setting: Setting  # the last setting solved at (where the last plan fits, if it does)
+    loose: Setting | None  # the setting before it, whose plan did not fit; None where the first one fits
+
+    @property
+    def fits(self) -> bool:
+        return self.outcomes[-1].plan.feasible
+
+
+@dataclass(frozen=True)
+class ClosedLoop(Generic[S]):
+    solve: Callable[[Setting], Candidate[S]]
+    realise: Callable[[Plan], tuple[Plan, Estimate]]  # a draft -> (the plan re-estimated, the estimate)
+    # (setting, its outcome that did not fit, scale) -> the next setting, the excess counted `scale` times;
+    # None: give up
+    tighten: Callable[[Setting, Outcome[S], int], Setting | None]
+    realised: dict[tuple[Segment, ...], Outcome[S]] = field(default_factory=dict)  # may be shared by loops
+
+    def outcome(self, candidate: Candidate[S]) -> Outcome[S]:
+        """The candidate's plan re-estimated, once per distinct set of segments."""
+        segments = candidate.draft.segments
+        if segments not in self.realised:
+            plan, planned = self.realise(candidate.draft)
+            self.realised[segments] = Outcome(plan, planned, candidate.solution)
+        return self.realised[segments]
+
+    def until_fits(self, start: Setting, rounds: int) -> Tightened[S]:
+        """Solve at `start`, then at ever tighter settings, until a plan fits, the solver's model finds
+        none, `tighten` gives up or `rounds` are spent."""
+        setting, loose, scale = start, None, 1
+        outcomes = []
+        for _ in range(rounds):
+            candidate = self.solve(setting)
+            repeated = candidate.draft.segments in self.realised
+            outcome = self.outcome(candidate)
+            outcomes.append(outcome)
+            if outcome.plan.feasible or not candidate.modelled_fit:
+                break
+            if repeated:
+                scale *= 2  # the same plan again: tighten harder
+            tighter = self.tighten(setting, outcome, scale)
+            if tighter is None:
+                break
+            loose, setting = setting, tighter
+        return Tightened(tuple(outcomes), setting, loose)
+
+    def bisect(
+        self, loose: Setting, tight: Setting, rounds: int, in_time: Callable[[], bool] = lambda: True
+    ) -> tuple[Outcome[S], ...]:
+        """Solve halfway between a setting whose plan does not fit and one whose plan does, and move the
+        bracket to whichever side the plan lands on; stop early once `in_time()` is false."""
+        outcomes = []
+        for _ in range(rounds):
+            if not in_time():
+                break
+            middle = tuple((a + b) // 2 for a, b in zip(loose, tight, strict=True))
+            outcome = self.outcome(self.solve(middle))
+            outcomes.append(outcome)
+            loose, tight = (loose, middle) if outcome.plan.feasible else (middle, tight)
+        return tuple(outcomes)
