@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import sys
 import traceback
@@ -12,6 +13,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer vendors click from 0.2x on; older releases use click itself
+    from typer._click import exceptions as _click_exceptions
+except ImportError:  # pragma: no cover
+    from click import exceptions as _click_exceptions
 
 from memplan.errors import BadInput, MemplanError
 from memplan.units import format_bytes, parse_size
@@ -21,7 +28,7 @@ if TYPE_CHECKING:
 
 ModelArg = Annotated[
     str,
-    typer.Argument(help="A zoo name (see `memplan models`), path/to/file.py:NAME or package.module:NAME."),
+    typer.Argument(metavar="MODEL", help="A zoo name (see `memplan models`), path/to/file.py:NAME or package.module:NAME."),
 ]
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", "-b", help="Micro-batch size passed to the model factory.")]
 SetOpt = Annotated[
@@ -99,10 +106,21 @@ def gpu_json(gpu: GpuSpec | None) -> dict[str, Any] | None:
     }
 
 
-def budget_or_gpu(budget: str | None, gpu: GpuSpec | None) -> int:
-    """--budget, else the GPU's usable memory; one of them is needed."""
+def budget_or_gpu(budget: str | None, gpu: GpuSpec | None, device: str = "cuda") -> int:
+    """--budget, else the GPU's usable memory; one of them is needed. A CUDA budget more than the --gpu
+    card (or any known card) can hold is allowed, with a warning: the answer would not hold on a real GPU."""
     if budget is not None:
-        return parse_size(budget)
+        nbytes = parse_size(budget)
+        if device == "cuda":
+            from memplan.gpus import GPUS
+            from memplan.report import usable_bytes
+
+            card = gpu or max(GPUS.values(), key=lambda g: g.capacity_bytes)
+            if nbytes > usable_bytes(card):
+                usable = f"{format_bytes(usable_bytes(card))} usable"
+                which = f"{card.name}'s {usable}" if gpu else f"any known GPU has (the largest, {card.name}: {usable})"
+                note(f"warning: --budget {format_bytes(nbytes)} is more than {which}")
+        return nbytes
     if gpu is None:
         raise BadInput("give --budget SIZE or --gpu NAME (the budget is then its memory less the CUDA context)")
     from memplan.report import usable_bytes
@@ -131,45 +149,115 @@ def size_option(text: str | None) -> int | None:
     return None if text is None else parse_size(text)
 
 
+# Whether the running command has printed its JSON object (an error after it adds none: one object).
+_json_printed = False
+
+
 def print_json(payload: Any) -> None:
+    global _json_printed
     typer.echo(json.dumps(payload, indent=2, sort_keys=False))
+    _json_printed = True
 
 
-def fail(message: str, code: int) -> None:
-    """One line on stderr, then exit with `code`."""
-    note(message)
+def fail(message: str, code: int, json_command: str | None = None) -> None:
+    """One line on stderr, then exit with `code`. With --json (`json_command` names the command) stdout
+    gets an error object too, unless the command already printed its own: a script always reads one object."""
+    line = one_line(message)
+    if json_command is not None and not _json_printed:
+        print_json({"command": json_command, "error": line, "exit_code": code})
+    note(line)
     raise typer.Exit(code)
 
 
 def handles_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Map memplan's errors (and anything unexpected) to one line on stderr and an exit code.
-    MEMPLAN_DEBUG=1 shows the traceback."""
+    """The one place a command's errors become messages: memplan's errors (and anything unexpected,
+    the user's model code included) become one line on stderr and an exit code. MEMPLAN_DEBUG=1 shows
+    the traceback."""
+    name = command.__name__.removesuffix("_command").replace("_", "-")
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _json_printed
+        _json_printed = False
+        json_command = name if kwargs.get("as_json") else None
         try:
-            return command(*args, **kwargs)
+            with _quiet_library_logs():
+                return command(*args, **kwargs)
         except typer.Exit:
             raise
         except MemplanError as error:
             _debug_traceback()
-            fail(str(error), error.exit_code)
+            message, code = str(error), error.exit_code
         except KeyboardInterrupt:
-            fail("interrupted", 130)
+            message, code = "interrupted", 130
+        except SystemExit as error:  # the user's model code called sys.exit() or exit()
+            _debug_traceback()
+            message, code = f"the model's code called sys.exit({error.code!r})", 1
         except Exception as error:  # noqa: BLE001 - a bug or an unsupported model: still one line, exit 1
             _debug_traceback()
-            fail(f"{type(error).__name__}: {_first_line(error)} (set MEMPLAN_DEBUG=1 for the traceback)", 1)
+            message, code = f"{type(error).__name__}: {one_line(str(error))} (set MEMPLAN_DEBUG=1 for the traceback)", 1
+        fail(message, code, json_command)
 
     return wrapper
 
 
-def _first_line(error: Exception) -> str:
-    """Other libraries' messages can run to paragraphs (torch.utils.checkpoint's do); the line that names
-    the problem comes first."""
-    lines = str(error).strip().splitlines()
+def one_line(message: str) -> str:
+    """Other libraries' messages (and the user's) can run to paragraphs (torch.utils.checkpoint's do); the
+    line that names the problem comes first."""
+    lines = [line.strip() for line in str(message).strip().splitlines() if line.strip()]
     return lines[0] if lines else ""
 
 
 def _debug_traceback() -> None:
-    if os.environ.get("MEMPLAN_DEBUG") == "1":
+    if debugging():
         traceback.print_exc(file=sys.stderr)
+
+
+def debugging() -> bool:
+    return os.environ.get("MEMPLAN_DEBUG") == "1"
+
+
+@contextlib.contextmanager
+def _quiet_library_logs() -> Iterator[None]:
+    """torch logs some failures with their traceback (FakeTensor's "failed while attempting to run meta")
+    before raising the error we report in one line; MEMPLAN_DEBUG=1 keeps them."""
+    if debugging():
+        yield
+        return
+    import torch  # first: importing torch configures its loggers
+
+    logger = logging.getLogger(torch.__name__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class MemplanGroup(TyperGroup):
+    """The app's click group: usage errors (an unknown option, a value that is not a number, a missing
+    argument) are one line on stderr and exit 1 like every other bad input, not click's box and exit 2
+    (2 means "does not fit")."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            result = super().main(argv or ["--help"], prog_name, complete_var, standalone_mode=False, **extra)
+        except _click_exceptions.ClickException as error:
+            ctx = getattr(error, "ctx", None)
+            where = ctx.command_path if ctx is not None else "memplan"
+            command = ctx.info_name if ctx is not None and ctx.parent is not None else None
+            message = f"{one_line(error.format_message()).rstrip('.')} (see `{where} --help`)"
+            if "--json" in argv:
+                print_json({"command": command, "error": message, "exit_code": 1})
+            note(message)
+            result = 1
+        except _click_exceptions.Abort:
+            note("aborted")
+            result = 1
+        code = result if isinstance(result, int) and not isinstance(result, bool) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return result

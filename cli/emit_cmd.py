@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from cli.common import JsonOpt, handles_errors, print_json
+from memplan.errors import BadInput
 
 
 @handles_errors
@@ -23,6 +24,8 @@ def emit_command(
     from memplan.plan import load_plan, write_atomically
 
     plan = load_plan(plan_path)
+    if output.resolve() == plan_path.resolve():
+        raise BadInput(f"-o {output} is the plan itself: the module would replace it")
     write_atomically(output, emit_module(plan), force=force)
     if as_json:
         print_json({"command": "emit", "plan": str(plan_path), "output": str(output), "segments": len(plan.segments)})

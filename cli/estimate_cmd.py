@@ -109,6 +109,7 @@ def estimate_command(
         for r in results
     ]
     batch = results[0].batch_size
+    batch = "default" if batch is None else batch  # a factory without a batch_size parameter
     typer.echo(f"{model}, batch {batch}, grad-accum {grad_accum}, device {device}: categories at the peak moment")
     typer.echo(tabulate(rows, headers=headers, stralign="right"))
     for r in results:

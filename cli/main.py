@@ -8,7 +8,7 @@ import typer
 from tabulate import tabulate
 
 import memplan
-from cli.common import JsonOpt, handles_errors, print_json
+from cli.common import JsonOpt, MemplanGroup, handles_errors, print_json
 from cli.emit_cmd import emit_command
 from cli.estimate_cmd import estimate_command
 from cli.plan_cmd import max_batch_command, plan_command
@@ -21,6 +21,7 @@ EXIT_CODES = (
 
 app = typer.Typer(
     help="Memory planner for PyTorch training: estimate, plan checkpoints, emit code, verify.",
+    cls=MemplanGroup,
     epilog=EXIT_CODES,
     no_args_is_help=True,
     add_completion=False,

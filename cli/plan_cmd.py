@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -36,7 +37,7 @@ from cli.common import (
 )
 from cli.estimate_cmd import DeviceOpt
 from memplan.errors import BadInput, DoesNotFit
-from memplan.plan import save_plan, write_atomically
+from memplan.plan import check_output_path, save_plan, write_atomically
 from memplan.planner import DEFAULT_GPU, alternatives, max_batch, plan_checkpoints
 from memplan.solvers import SOLVERS
 from memplan.step import StepConfig
@@ -56,12 +57,19 @@ BudgetOpt = Annotated[
 ]
 PrecisionOpt = Annotated[str, typer.Option("--precision", "-p", help="Precision mode.")]
 OptimizerOpt = Annotated[str, typer.Option("--optimizer", "-o", help="Optimizer.")]
-MethodOpt = Annotated[str, typer.Option("--method", help=f"Solver: {', '.join(SOLVERS)}.")]
+# brute-force is the solvers' test oracle, not a method for users.
+METHODS = tuple(m for m in SOLVERS if m != "brute-force")
+MethodOpt = Annotated[
+    str | None,
+    typer.Option("--method", help=f"Block-level solver: {', '.join(METHODS)} (default {METHODS[0]}).")
+]
 
 
 # Past this, --selective stops refining at the first plan that fits: each refinement re-traces the step
 # (seconds for a 7B model), and a plan that fits within half a minute beats a slightly cheaper one later.
 SELECTIVE_TIME_LIMIT_S = 15.0
+# max-batch searches batch sizes up to this; a result equal to it means "at least".
+MAX_BATCH_LIMIT = 1 << 16
 
 
 @handles_errors
@@ -74,7 +82,7 @@ def plan_command(
     optimizer: OptimizerOpt = "adamw",
     grad_accum: GradAccumOpt = 1,
     device: DeviceOpt = "cuda",
-    method: MethodOpt = "optimal-dp",
+    method: MethodOpt = None,
     selective: Annotated[
         bool, typer.Option("--selective", help="Op-level save policies inside segments: keep chosen op calls' outputs.")
     ] = False,
@@ -90,10 +98,19 @@ def plan_command(
     from memplan import report
 
     card, budget_bytes = _card_and_budget(gpu, precision, device, budget)
-    if method not in SOLVERS or method == "brute-force":
-        raise BadInput(f"unknown method {method!r}; expected one of: {', '.join(m for m in SOLVERS if m != 'brute-force')}")
+    if method is not None and method not in METHODS:
+        raise BadInput(f"unknown method {method!r}; expected one of: {', '.join(METHODS)}")
+    if method is not None and selective:
+        raise BadInput("--method chooses the block-level solver; --selective plans with its own")
+    method = method or METHODS[0]
     if plot:
         report.check_plot_path(plot)
+    # Before any work: a plan that takes minutes should not fail on a path at the end.
+    for path, may_overwrite in ((out, True), (emit, force)):
+        if path:
+            check_output_path(path, may_overwrite)
+    if out and emit and Path(out).resolve() == Path(emit).resolve():
+        raise BadInput(f"--out and --emit name the same file ({out}): the module would replace the plan")
     workload, config = _workload_and_step(model, batch_size, set_, precision, optimizer, grad_accum)
     with progress(f"planning {model}: solving and re-estimating the checkpointed step ...", quiet):
         if selective:
@@ -114,6 +131,8 @@ def plan_command(
         from memplan.emit import emit_module
 
         write_atomically(emit, emit_module(plan), force=force)
+    elif emit:
+        note(f"not writing {emit}: no plan fits the budget")
     if plot:
         _plot_before_after(plot, workload, config, device, plan, budget_bytes, card, quiet)
     overhead = overhead_pct(plan.recompute_flops, plan.step_flops)
@@ -187,8 +206,16 @@ def plan_command(
         )
         raise DoesNotFit(
             f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; "
-            f"the smallest reached is {format_bytes(plan.predicted_peak_bytes)}{proof}"
+            f"the smallest reached is {_smallest_reached(plan)}{proof}"
         )
+
+
+def _smallest_reached(plan) -> str:
+    """The lower of the returned plan's peak and the peak without checkpoints: a plan that does not fit can
+    come back above the unplanned step (its recomputation live at once), and "smallest" must not say so."""
+    if plan.unplanned_peak_bytes < plan.predicted_peak_bytes:
+        return f"{format_bytes(plan.unplanned_peak_bytes)}, with no checkpoints"
+    return format_bytes(plan.predicted_peak_bytes)
 
 
 def _card_and_budget(
@@ -197,7 +224,7 @@ def _card_and_budget(
     """The --gpu card (after warning if it lacks hardware for the precision) and the budget: --budget,
     else the card's usable memory."""
     card = resolve_gpu(gpu, [precision], device)
-    return card, budget_or_gpu(budget, card)
+    return card, budget_or_gpu(budget, card, device)
 
 
 def _workload_and_step(
@@ -254,7 +281,7 @@ def max_batch_command(
     card, budget_bytes = _card_and_budget(gpu, precision, device, budget)
     workload, config = _workload_and_step(model, None, set_, precision, optimizer, grad_accum)
     with progress(f"searching the largest batch of {model} that fits {format_bytes(budget_bytes)} ...", quiet):
-        result = max_batch(workload, config, budget_bytes, device, gpu=card and card.name)
+        result = max_batch(workload, config, budget_bytes, device, limit=MAX_BATCH_LIMIT, gpu=card and card.name)
     plan = result.plan_at_max
     overhead = overhead_pct(plan.recompute_flops, plan.step_flops) if plan else 0.0
     if as_json:
@@ -269,16 +296,23 @@ def max_batch_command(
             "budget_bytes": budget_bytes,
             "max_batch_without_plan": result.without_plan,
             "max_batch_with_plan": result.with_plan,
+            "max_batch_limit": MAX_BATCH_LIMIT,
             "recompute_overhead_pct": round(overhead, 3),
             "segments": [{"modules": list(s.modules)} for s in plan.segments] if plan else [],
         })
     else:
         budget_text = format_bytes(budget_bytes)
+
+        def batch(n: int) -> str:
+            return f">= {n}" if n >= MAX_BATCH_LIMIT else str(n)
+
         typer.echo(tabulate([
-            ["without checkpointing", result.without_plan, budget_text, format_pct(0.0)],
-            ["with an optimal plan", result.with_plan, budget_text, format_pct(overhead)],
+            ["without checkpointing", batch(result.without_plan), budget_text, format_pct(0.0)],
+            ["with an optimal plan", batch(result.with_plan), budget_text, format_pct(overhead)],
         ], headers=["", MAX_BATCH, BUDGET, OVERHEAD], colalign=("left", "right", "right", "right")))
         if card:
             typer.echo(gpu_line(card))
+    if result.with_plan >= MAX_BATCH_LIMIT:
+        note(f"the search stops at batch {MAX_BATCH_LIMIT}: larger batches may fit too")
     if result.with_plan == 0:
         raise DoesNotFit(f"does not fit: not even batch 1 fits in {format_bytes(budget_bytes)}")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +27,7 @@ from cli.common import (
     progress,
 )
 from memplan.errors import BadInput, DoesNotFit, ToleranceExceeded
-from memplan.plan import load_plan
+from memplan.plan import check_output_path, load_plan
 from memplan.step import OPTIMIZERS, PRECISIONS, StepConfig
 from memplan.units import format_bytes
 from memplan.verify import (
@@ -86,7 +91,7 @@ def verify_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Run the training step for real and measure its peak memory, per phase, beside the prediction."""
-    if tolerance is not None and tolerance < 0:
+    if tolerance is not None and not (math.isfinite(tolerance) and tolerance >= 0):
         raise BadInput(f"--tolerance must be a percentage of at least 0, got {tolerance}")
     if tolerance is not None and no_predict:
         raise BadInput("--tolerance compares with the prediction; it cannot be used with --no-predict")
@@ -104,7 +109,7 @@ def verify_command(
         raise BadInput("--tolerance needs a prediction, but this build has no estimator (memplan.estimate)")
 
     with progress(f"running {config.steps} real steps of {model} on {device} ...", quiet):
-        measurement = measure(workload, config, device, loaded, snapshot=snapshot)
+        measurement = _measure_to(snapshot, lambda path: measure(workload, config, device, loaded, snapshot=path))
 
     prediction = None
     if not no_predict:
@@ -130,6 +135,25 @@ def verify_command(
             f"{format_bytes(comparison.predicted_peak_bytes or 0)} differ by {comparison.error_pct:+.1f}%, "
             f"more than the tolerance of {tolerance:g}%"
         )
+
+
+def _measure_to(snapshot: Path | None, run: Callable[[Path | None], Measurement]) -> Measurement:
+    """run(path) with the --snapshot written to a temporary file beside it, renamed once complete: a failed
+    or interrupted run leaves no partial snapshot."""
+    if snapshot is None:
+        return run(None)
+    check_output_path(snapshot)
+    fd, name = tempfile.mkstemp(dir=snapshot.parent, prefix=f".{snapshot.name}.", suffix=".tmp")
+    os.close(fd)
+    partial = Path(name)
+    try:
+        measurement = run(partial)
+        if measurement.snapshot_path is not None:
+            os.replace(partial, snapshot)
+            measurement = dataclasses.replace(measurement, snapshot_path=str(snapshot))
+        return measurement
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _oom_where(measurement: Measurement) -> str:
@@ -185,7 +209,7 @@ def _table(
     batch = workload.effective_batch_size
     head = (
         f"{workload.spec}, batch {batch if batch is not None else 'default'}, {config.precision}, {config.optimizer}"
-        f"{f', grad accum {config.grad_accum}' if config.grad_accum > 1 else ''}, {config.steps} steps on {where}"
+        f"{f', grad accum {config.grad_accum}' if config.grad_accum > 1 else ''}, {config.steps} step{'s' if config.steps != 1 else ''} on {where}"
         f"{f', plan {measurement.plan_method}' if measurement.plan_method else ''}"
     )
     if measurement.oom:

@@ -15,7 +15,7 @@ from pathlib import Path
 from memplan.errors import BadInput
 from memplan.estimate import Estimate, Timeline
 from memplan.gpus import GpuSpec
-from memplan.plan import write_atomically
+from memplan.plan import check_output_path, write_atomically
 from memplan.trace import ROLES
 from memplan.units import format_bytes
 
@@ -122,8 +122,7 @@ def check_plot_path(path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise BadInput(f"--plot {path}: the file must end in {', '.join(PLOT_SUFFIXES)}")
-    if not (path.parent if str(path.parent) else Path(".")).is_dir():
-        raise BadInput(f"directory not found: {path.parent}")
+    check_output_path(path)  # a missing directory, a directory by that name
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -1,6 +1,7 @@
 """Byte counts: parse "24GiB" / "80GB" / "512MiB" / "1000", print binary units."""
 
 import re
+from fractions import Fraction
 
 from memplan.errors import BadInput
 
@@ -16,16 +17,25 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+# A decimal number (no sign, no exponent: "-1GiB", "1e9" and "1.5.2GiB" are refused) and a unit.
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_EXAMPLES = "use e.g. 24GiB, 80GB (10^9 bytes), 512MiB or plain bytes"
 
 
 def parse_size(text: str) -> int:
-    """Bytes from "24GiB", "80GB" (10^9), "512MiB", "1.5 GiB" or plain "1000"."""
+    """Bytes from "24GiB", "80GB" (10^9), "512MiB", "1.5 GiB" or plain "1000": a positive whole number of
+    bytes, computed exactly (a fraction of a unit rounds to the nearest byte; plain bytes must be whole)."""
     match = _SIZE.match(str(text))
     unit = match and match.group(2).lower()
     if not match or unit not in _UNITS:
-        raise BadInput(f"cannot read size {text!r}: use e.g. 24GiB, 80GB (10^9 bytes), 512MiB or plain bytes")
-    return round(float(match.group(1)) * _UNITS[unit])
+        raise BadInput(f"cannot read size {text!r}: {_EXAMPLES}")
+    exact = Fraction(match.group(1)) * _UNITS[unit]
+    if _UNITS[unit] == 1 and exact.denominator != 1:
+        raise BadInput(f"cannot read size {text!r}: bytes are whole numbers")
+    nbytes = round(exact)
+    if nbytes < 1:
+        raise BadInput(f"size {text!r} is {'zero' if exact == 0 else 'less than one byte'}: give at least 1 byte")
+    return nbytes
 
 
 def format_bytes(n: int) -> str:

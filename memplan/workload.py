@@ -57,6 +57,9 @@ class Workload:
             raise BadInput(f"{self.spec} must return an nn.Module first, got {_describe(model)}")
         if not isinstance(inputs, (tuple, dict)):
             raise BadInput(f"{self.spec} must return inputs as a tuple or a dict, got {_describe(inputs)}")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise BadInput(f"{self.spec} returned a model with no trainable parameters (none requires grad): "
+                           "a training step has nothing to update")
         return model, inputs
 
 
@@ -98,7 +101,9 @@ def _load_factory(spec: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(location)
         except ModuleNotFoundError as error:
-            raise BadInput(f"module not found: {location} ({error})") from error
+            as_file = Path(location.replace(".", "/") + ".py")
+            hint = f"; for the file, give {as_file}:{name}" if as_file.is_file() else ""
+            raise BadInput(f"module not found: {location} ({error}){hint}") from error
         except Exception as error:
             raise BadInput(f"{location} failed to import: {type(error).__name__}: {error}") from error
     factory = getattr(module, name, None)

@@ -238,3 +238,334 @@ def test_an_unexpected_error_is_one_line(monkeypatch):
     result = runner.invoke(app, ["estimate", "mlp", *TINY_MLP])
     assert result.exit_code == 1
     assert result.stderr == "memplan: RuntimeError: the first line names it (set MEMPLAN_DEBUG=1 for the traceback)\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# A new user's mistakes: every one is one line on stderr (and, with --json, one object on stdout), exit 1
+
+def _one_line_error(result, code: int = 1) -> str:
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memplan: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["estimate", "mlp", "-b", "abc"], "--batch-size"),
+    (["estimate", "mlp", "--steps", "x"], "--steps"),
+    (["estimate", "mlp", "--no-such-option"], "No such option: --no-such-option"),
+    (["estimate"], "Missing argument"),
+    (["estimat", "mlp"], "No such command 'estimat'"),
+])
+def test_usage_errors_are_one_line_and_exit_1_not_2(args, message):
+    # exit 2 means "does not fit": a typo must not read as that, nor print click's framed box
+    line = _one_line_error(runner.invoke(app, args))
+    assert message in line and "--help" in line
+
+
+@pytest.mark.parametrize("args, command, message", [
+    (["estimate", "mlp", *TINY_MLP, "-p", "fp8"], "estimate", "unknown precision 'fp8'"),
+    (["plan", "mlp", *TINY_MLP, "--budget", "12XB"], "plan", "cannot read size '12XB'"),
+    (["max-batch", "mlp", *TINY_MLP, "--gpu", "h1000"], "max-batch", "unknown GPU 'h1000'"),
+    (["emit", "no-such-plan.json", "-o", "x.py"], "emit", "plan file not found"),
+    (["estimate", "mlp", "-b", "abc"], "estimate", "--batch-size"),
+])
+def test_errors_with_json_print_one_error_object(args, command, message):
+    result = runner.invoke(app, [*args, "--json"])
+    line = _one_line_error(result)
+    payload = json.loads(result.stdout)  # exactly one object: json.loads refuses trailing text
+    assert payload["command"] == command and payload["exit_code"] == 1
+    assert message in payload["error"] and payload["error"] in line
+
+
+def test_a_plan_that_does_not_fit_prints_one_json_object_not_two():
+    result = runner.invoke(app, ["plan", "mlp", "-b", "4", *TINY_MLP, "-o", "sgd", "--device", "cpu",
+                                 "--budget", "1KiB", "--json"])
+    assert result.exit_code == 2
+    assert "error" not in json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("size", ["12XB", "-1GiB", "1.5.2GiB", "", "0", "0GiB", "0.0001", "1.5", "1e9", "nan", "1."])
+def test_budget_garbage_is_refused_before_any_work(size):
+    line = _one_line_error(runner.invoke(app, ["max-batch", "mlp", *TINY_MLP, "--device", "cpu", "--budget", size]))
+    assert repr(size) in line
+
+
+@pytest.mark.parametrize("size, expected", [
+    ("24GiB", 24 * 1024**3), ("80GB", 80 * 1000**3), ("512MiB", 512 * 1024**2), ("4096", 4096), ("1.5 KiB", 1536),
+    (".5GiB", 512 * 1024**2), ("0.1GiB", 107374182), ("7 kb", 7000),
+])
+def test_budget_formats_are_exact_bytes(size, expected):
+    result = runner.invoke(app, ["plan", "mlp", "-b", "2", *TINY_MLP, "-o", "sgd", "--device", "cpu", "--budget", size,
+                                 "--json"])
+    assert json.loads(result.stdout)["budget_bytes"] == expected
+
+
+def test_a_budget_above_every_gpu_is_a_warning():
+    result = runner.invoke(app, ["plan", "mlp", "-b", "2", *TINY_MLP, "-o", "sgd", "--budget", "1000TB", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["budget_bytes"] == 10**15
+    assert "warning: --budget" in result.stderr and "more than any known GPU" in result.stderr
+    # --device cpu: host memory can be that large; no warning
+    result = runner.invoke(app, ["plan", "mlp", "-b", "2", *TINY_MLP, "-o", "sgd", "--budget", "1000TB",
+                                 "--device", "cpu"])
+    assert result.exit_code == 0 and "warning" not in result.stderr
+
+
+USER_MODELS = '''
+import sys
+import torch
+from torch import nn
+
+def raises(batch_size: int = 2):
+    raise ValueError("first line of the user's message\\nsecond line")
+
+def frozen(batch_size: int = 2):
+    model = nn.Linear(4, 4)
+    model.requires_grad_(False)
+    return model, (torch.randn(batch_size, 4),)
+
+def no_parameters(batch_size: int = 2):
+    return nn.ReLU(), (torch.randn(batch_size, 4),)
+
+def exits(batch_size: int = 2):
+    sys.exit(5)
+
+def wrong_shape(batch_size: int = 2):
+    return nn.Linear(8, 8), (torch.randn(batch_size, 7),)
+
+def no_batch_size():
+    return nn.Linear(4, 4), (torch.randn(3, 4),)
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path):
+    path = tmp_path / "user_models.py"
+    path.write_text(USER_MODELS)
+    return path
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises", "ValueError: first line of the user's message"),
+    ("frozen", "no trainable parameters"),
+    ("no_parameters", "no trainable parameters"),
+    ("exits", "sys.exit(5)"),
+    ("wrong_shape", "RuntimeError"),
+])
+def test_user_factory_failures_are_one_line(user_models, name, message):
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    # torch logs the failed meta kernel with a traceback before raising: not on the user's terminal
+    keep, logger = Keep(level=logging.DEBUG), logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(keep)
+    try:
+        result = runner.invoke(app, ["estimate", f"{user_models}:{name}", "--device", "cpu", "-o", "sgd"])
+    finally:
+        logger.removeHandler(keep)
+    assert message in _one_line_error(result)
+    assert not [r for r in records if r.levelno >= logging.ERROR]
+
+
+def test_a_factory_without_batch_size_says_default(user_models):
+    result = runner.invoke(app, ["estimate", f"{user_models}:no_batch_size", "--device", "cpu", "-o", "sgd"])
+    assert result.exit_code == 0, result.output
+    assert "batch default," in result.stdout and "None" not in result.stdout
+
+
+def test_module_syntax_hints_at_a_file_of_that_name(user_models, monkeypatch):
+    monkeypatch.chdir(user_models.parent)
+    line = _one_line_error(runner.invoke(app, ["estimate", "user_models:frozen", "--device", "cpu"]))
+    assert "user_models.py:frozen" in line
+
+
+def _plan_json(**changes) -> dict:
+    plan = {"format": 1, "model": "mlp", "batch_size": 2, "precision": "fp32", "optimizer": "sgd", "grad_accum": 1,
+            "device": "cpu", "method": "optimal-dp", "segments": [{"modules": ["net.0"]}], "feasible": True,
+            "budget_bytes": 2**20, "predicted_peak_bytes": 1000, "unplanned_peak_bytes": 2000, "recompute_flops": 10,
+            "step_flops": 100}
+    return {**plan, **changes}
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "not JSON"),
+    ("[1, 2]", "not a memplan plan"),
+    (json.dumps(_plan_json(format=0)), "run `memplan plan --out` again"),
+    (json.dumps(_plan_json(format=2)), "upgrade memplan"),
+    (json.dumps(_plan_json(segments=[{"modules": "net.0"}])), "'modules' must be list of str"),
+    (json.dumps(_plan_json(segments=[{"modules": ["net.0"], "activation_bytes": "x"}])), "must be int"),
+    (json.dumps(_plan_json(segments=None)), "'segments' must be a list"),
+    (json.dumps(_plan_json(segments=[{"modules": []}])), "names no module"),
+    (json.dumps(_plan_json(colour=3)), "unknown key 'colour'"),
+    (json.dumps({k: v for k, v in _plan_json().items() if k != "step_flops"}), "lacks the key 'step_flops'"),
+    (json.dumps(_plan_json(feasible="yes")), "'feasible' must be bool"),
+])
+def test_a_broken_plan_file_is_one_line_and_writes_nothing(tmp_path, content, message):
+    plan_path, out = tmp_path / "plan.json", tmp_path / "out.py"
+    plan_path.write_text(content)
+    for args in (["emit", str(plan_path), "-o", str(out)],
+                 ["verify", "mlp", "-b", "2", *TINY_MLP, "--device", "cpu", "--plan", str(plan_path)]):
+        assert message in _one_line_error(runner.invoke(app, args))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_output_paths_are_checked_before_planning(tmp_path, monkeypatch):
+    import cli.plan_cmd
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned before checking the output paths")
+
+    monkeypatch.setattr(cli.plan_cmd, "plan_checkpoints", no_planning)
+    existing, folder = tmp_path / "ckpt.py", tmp_path / "folder"
+    existing.write_text("# mine\n")
+    folder.mkdir()
+    base = ["plan", "mlp", *TINY_MLP, "--device", "cpu", "--budget", "1GiB"]
+    for args, message in [
+        (["--emit", str(existing)], "--force"),
+        (["--out", str(folder)], "is a directory"),
+        (["--emit", str(folder), "--force"], "is a directory"),
+        (["--out", str(tmp_path / "missing" / "plan.json")], "directory not found"),
+    ]:
+        assert message in _one_line_error(runner.invoke(app, [*base, *args]))
+    assert existing.read_text() == "# mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.py", "folder"]
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    import os
+
+    plan_path, out = tmp_path / "plan.json", tmp_path / "ckpt.py"
+    plan_path.write_text(json.dumps(_plan_json(segments=[])))
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    line = _one_line_error(runner.invoke(app, ["emit", str(plan_path), "-o", str(out)]))
+    assert "No space left on device" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_emit_is_skipped_with_a_note_when_no_plan_fits(tmp_path):
+    module = tmp_path / "ckpt.py"
+    result = runner.invoke(app, ["plan", "mlp", "-b", "4", *TINY_MLP, "-o", "sgd", "--device", "cpu",
+                                 "--budget", "1KiB", "--emit", str(module)])
+    assert result.exit_code == 2
+    assert f"not writing {module}" in result.stderr and not module.exists()
+
+
+def test_a_failed_verify_leaves_no_partial_snapshot(tmp_path, monkeypatch):
+    import cli.verify_cmd
+
+    def crashes_after_writing(workload, config, device, plan, snapshot=None):
+        snapshot.write_bytes(b"half a pickle")
+        raise RuntimeError("the step crashed")
+
+    monkeypatch.setattr(cli.verify_cmd, "measure", crashes_after_writing)
+    snapshot = tmp_path / "snap.pickle"
+    result = runner.invoke(app, ["verify", "mlp", "-b", "2", *TINY_MLP, "--device", "cpu", "--snapshot", str(snapshot)])
+    assert "the step crashed" in _one_line_error(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_refuses_a_tolerance_that_is_not_a_number():
+    line = _one_line_error(runner.invoke(app, ["verify", "mlp", *TINY_MLP, "--device", "cpu", "--tolerance", "nan"]))
+    assert "--tolerance" in line
+
+
+def test_selective_takes_no_method():
+    line = _one_line_error(runner.invoke(app, ["plan", "mlp", *TINY_MLP, "--device", "cpu", "--budget", "1GiB",
+                                               "--selective", "--method", "sqrt-n"]))
+    assert "--method" in line
+    assert "brute-force" not in runner.invoke(app, ["plan", "--help"]).stdout
+
+
+def test_max_batch_says_when_the_search_limit_is_reached(monkeypatch):
+    import cli.plan_cmd
+
+    monkeypatch.setattr(cli.plan_cmd, "MAX_BATCH_LIMIT", 8)
+    args = ["max-batch", "mlp", *TINY_MLP, "-o", "sgd", "--device", "cpu", "--budget", "1GiB"]
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert ">= 8" in table.stdout and "search stops at batch 8" in table.stderr
+    payload = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    assert payload["max_batch_with_plan"] == payload["max_batch_limit"] == 8
+
+
+CHAIN = (
+    "import torch\nfrom torch import nn\n\n"
+    "def build(batch_size: int = 4):\n"
+    "    layers = [m for _ in range(3) for m in (nn.Linear(16, 16), nn.Tanh())]\n"
+    "    return nn.Sequential(*layers), (torch.randn(batch_size, 16),)\n"
+)
+
+
+def test_max_batch_on_a_user_model_file(tmp_path):
+    path = tmp_path / "chain.py"
+    path.write_text(CHAIN)
+    args = ["-o", "sgd", "--device", "cpu", "--json"]
+    result = runner.invoke(app, ["max-batch", f"{path}:build", "--budget", "7KiB", *args])
+    assert result.exit_code == 0, result.output
+    best = json.loads(result.stdout)["max_batch_without_plan"]
+    assert best >= 1
+    for batch, fits in ((best, True), (best + 1, False)):  # the answer, checked against the estimate itself
+        peak = json.loads(runner.invoke(app, ["estimate", f"{path}:build", "-b", str(batch), *args]).stdout)
+        assert (peak["results"][0]["peak_bytes"] <= 7 * 1024) is fits
+
+
+def test_selective_plan_on_a_user_model_file(tmp_path):
+    path, plan_path = tmp_path / "chain.py", tmp_path / "plan.json"
+    path.write_text(CHAIN)
+    args = [f"{path}:build", "-b", "64", "-o", "sgd", "--device", "cpu", "--json"]
+    unplanned = json.loads(runner.invoke(app, ["estimate", *args]).stdout)["results"][0]["peak_bytes"]
+    result = runner.invoke(app, ["plan", *args, "--selective", "--budget", str(unplanned - 1), "--out", str(plan_path)])
+    assert result.exit_code in (0, 2), result.output
+    payload = json.loads(result.stdout)
+    assert payload["unplanned_peak_bytes"] == unplanned and payload["feasible"] is (result.exit_code == 0)
+    assert json.loads(plan_path.read_text())["model"] == f"{path}:build"
+    if payload["feasible"]:  # the file reads back: the module is written from it
+        result = runner.invoke(app, ["emit", str(plan_path), "-o", str(tmp_path / "ckpt.py")])
+        assert result.exit_code == 0, result.output
+
+
+def test_the_smallest_peak_reached_is_never_above_the_unplanned_one(tmp_path):
+    import re
+
+    # four Linear(32) + Tanh pairs at batch 64, 58.6 KiB: the plan that comes back peaks above the step without one
+    path = tmp_path / "chain.py"
+    path.write_text(CHAIN.replace("range(3)", "range(4)").replace("16", "32"))
+    result = runner.invoke(app, ["plan", f"{path}:build", "-b", "64", "-o", "sgd", "--device", "cpu", "--budget", "60000",
+                                 "--json"])
+    assert result.exit_code == 2, result.output
+    unplanned = json.loads(result.stdout)["unplanned_peak_bytes"]
+    kib = float(re.search(r"the smallest reached is ([0-9.]+) KiB", result.stderr).group(1))
+    assert kib * 1024 <= unplanned + 5  # two decimals of KiB
+
+
+def test_an_output_never_replaces_the_plan_it_comes_from(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(_plan_json(segments=[])))
+    line = _one_line_error(runner.invoke(app, ["emit", str(plan_path), "-o", str(plan_path), "--force"]))
+    assert "the plan itself" in line
+    line = _one_line_error(runner.invoke(app, ["plan", "mlp", *TINY_MLP, "--device", "cpu", "--budget", "1GiB",
+                                               "--out", str(plan_path), "--emit", str(plan_path), "--force"]))
+    assert "same file" in line
+    assert json.loads(plan_path.read_text())["format"] == 1
+
+
+def test_a_selective_plan_file_reads_back_into_a_module(tmp_path):
+    plan_path, module = tmp_path / "plan.json", tmp_path / "ckpt.py"
+    result = runner.invoke(app, ["plan", "gpt2", "-b", "2", *TINY_GPT, "-o", "sgd", "--device", "cpu", "--selective",
+                                 "--budget", "1.5MiB", "--out", str(plan_path), "--json"])
+    assert result.exit_code == 0, result.output
+    kept = [op for s in json.loads(plan_path.read_text())["segments"] for op in s["saved_ops"]]
+    assert kept  # op-level policies, which the plan file must carry through
+    result = runner.invoke(app, ["emit", str(plan_path), "-o", str(module), "--json"])
+    assert result.exit_code == 0, result.output
+    assert all(op.split(".")[1] in module.read_text() for op in kept)
