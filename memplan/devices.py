@@ -74,6 +74,55 @@ def _unreduced_loss_storage(reduction_index: int) -> OutputFix:
     return fix
 
 
+def _col2im_storage(args: tuple, kwargs: dict, out: Any) -> Any:
+    """aten/src/ATen/native/Col2Im.cpp col2im_cpu: `output = at::empty_like(input)`, then resized down
+    to the image: the storage keeps the columns' size (fake: the image's)."""
+    columns = args[0]
+    needed = columns.numel() * out.element_size()
+    if needed <= out.untyped_storage().nbytes():
+        return out
+    return out.new_empty((columns.numel(),)).as_strided(out.shape, out.stride(), 0)
+
+
+OUTPUT_FIXES[("cpu", aten.col2im.default)] = _col2im_storage
+
+
+def _layer_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
+    """aten/src/ATen/native/layer_norm.cpp layer_norm_cpu: with a bf16/fp16 input and an fp32 weight
+    or bias (autocast keeps LayerNorm's parameters fp32), `is_mixed_type` holds and the mean and rstd
+    it saves for backward are fp32 (param_scalar_type); the fake kernel uses the input's dtype."""
+    x = args[0]
+    params = [t for t in args[2:4] if isinstance(t, torch.Tensor)]
+    if x.dtype in (torch.float16, torch.bfloat16) and params and params[0].dtype == torch.float32:
+        return (out[0], *(t.new_empty(t.shape, dtype=torch.float32) for t in out[1:3]))
+    return out
+
+
+OUTPUT_FIXES[("cpu", aten.native_layer_norm.default)] = _layer_norm_stats_fp32
+
+
+def _layer_norm_grad_contiguous(args: tuple, kwargs: dict, out: Any) -> Any:
+    """aten/src/ATen/native/layer_norm.cpp layer_norm_backward_cpu allocates the input gradient
+    `empty_like(X.contiguous())`: row-major whatever the incoming gradient's layout; the fake kernel
+    copies the incoming gradient's strides. The layout decides whether a later `reshape` views or
+    copies (a transposed gradient after a LayerNorm in a windowed attention block)."""
+    grad_input = out[0]
+    if grad_input is None or grad_input.is_contiguous():
+        return out
+    return (grad_input.new_empty(grad_input.shape), *out[1:])
+
+
+OUTPUT_FIXES[("cpu", aten.native_layer_norm_backward.default)] = _layer_norm_grad_contiguous
+
+
+def _grad_contiguous(args: tuple, kwargs: dict, out: Any) -> Any:
+    """SoftMax.cpp log_softmax_backward_cpu_out computes into a gradient laid out like the
+    contiguous copy of the incoming gradient; the fake kernel copies the incoming gradient's strides."""
+    return out if out.is_contiguous() else out.new_empty(out.shape)
+
+
+OUTPUT_FIXES[("cpu", aten._log_softmax_backward_data.default)] = _grad_contiguous
+
 for _op, _index in ((aten.mse_loss.default, 2), (aten.smooth_l1_loss.default, 2), (aten.soft_margin_loss.default, 2),
                     (aten.binary_cross_entropy.default, 3)):
     OUTPUT_FIXES[("cpu", _op)] = _unreduced_loss_storage(_index)

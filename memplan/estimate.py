@@ -193,12 +193,17 @@ def _in_place_accumulation(trace: Trace) -> list[Event]:
         size = trace.storages[event.storage].nbytes
         for later in range(position + 1, len(events)):
             candidate = events[later]
-            if candidate.kind != "free" or candidate.op != event.op:
+            if candidate.kind != "free" or not _no_op_between(trace, event.op, candidate.op):
                 break  # only frees that happen before the next op runs
             if candidate.storage in op.reads and trace.storages[candidate.storage].nbytes == size:
                 events.insert(position, events.pop(later))
                 break
     return events
+
+
+def _no_op_between(trace: Trace, op: int, later: int) -> bool:
+    """Whether nothing but queries (prim.device, ...) ran after `op` up to `later`: the same moment."""
+    return op <= later and all(trace.ops[i].name.startswith("prim.") for i in range(op + 1, later + 1))
 
 
 def _thread(phase: str) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memplan.cpu_profiler import quiet_stderr
@@ -242,6 +243,42 @@ def _probe(func: Any) -> ScratchFormula:
 # measured, so the rule follows the backend PyTorch picks.
 for _op in (aten.convolution.default, aten.convolution_backward.default):
     scratch_rule("cpu", _op)(_probe(_op))
+
+# Losses that reduce into an output allocated like their input (the unreduced loss, reduced into the
+# result: memplan.devices._unreduced_loss_storage), through a reduction that may upcast a bf16/fp16
+# copy: the temporaries differ by reduction and dtype, so they are measured. Their backward kernels
+# (soft_margin_loss_backward allocates and frees two input-sized temporaries) likewise.
+for _op in (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.soft_margin_loss.default,
+            aten.binary_cross_entropy.default, aten.huber_loss.default, aten.soft_margin_loss_backward.default,
+            aten.binary_cross_entropy_backward.default):
+    scratch_rule("cpu", _op)(_probe(_op))
+
+# F.unfold / F.fold (im2col, col2im: aten/src/ATen/native/Im2Col.cpp, Col2Im.cpp copy their input to a
+# contiguous or resized buffer first) and F.affine_grid's base grid: measured.
+for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator.default):
+    scratch_rule("cpu", _op)(_probe(_op))
+
+
+def _probe_unless_contiguous(func: Any) -> ScratchFormula:
+    """Pooling backward kernels (aten/src/ATen/native/cpu/MaxPoolKernel.cpp, AvgPoolKernel.cpp,
+    AdaptiveMaxPoolKernel.cpp) take `.contiguous(memory_format)` copies of a gradient or input laid out
+    otherwise (max_pool1d over a transposed sequence): contiguous operands need nothing beyond the
+    output; any other layout is measured."""
+
+    def formula(args: tuple, kwargs: dict, out: Any) -> int:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        # strides exactly row-major (is_contiguous() ignores size-1 dimensions; the kernels' memory
+        # format choice, suggest_memory_format, does not)
+        if all(t.stride() == make_contiguous_strides_for(t.shape) for t in tensors):
+            return _generic_cpu(func, args, kwargs, out)
+        return probe_scratch(func, args, kwargs)
+
+    return formula
+
+
+for _op in (aten.max_pool2d_with_indices_backward.default, aten.avg_pool2d_backward.default,
+            aten.adaptive_max_pool2d_backward.default, aten._adaptive_avg_pool2d_backward.default):
+    scratch_rule("cpu", _op)(_probe_unless_contiguous(_op))
 
 # nn.LSTM/GRU on the CPU: aten/src/ATen/native/RNN.cpp lstm() takes the oneDNN path (use_mkldnn) and
 # runs mkldnn_rnn_layer per layer and direction (mkldnn/RNN.cpp): the summed bias, the gate-shuffled
@@ -608,6 +645,45 @@ def _batch_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
     return max(second_grad_input, kernel)
 
 
+@scratch_rule("cpu", aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def _ctc_loss_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/LossCTC.cpp ctc_loss_backward_cpu_template: `log_beta =
+    at::empty_like(log_alpha)` (batch x T x (2 * max target length + 1)), freed inside; the gradient
+    is the output."""
+    log_alpha = args[6] if len(args) > 6 else kwargs["log_alpha"]
+    return log_alpha.numel() * _itemsize(log_alpha.dtype)
+
+
+@scratch_rule("cpu", aten.native_layer_norm.default)
+def _layer_norm(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/layer_norm.cpp layer_norm_cpu: `input.expect_contiguous()`,
+    `weight.expect_contiguous()` and `bias.expect_contiguous()` copy non-contiguous operands (a
+    LayerNorm over a transposed convolution output), before Y, mean and rstd are allocated."""
+    x = args[0]
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    bias = args[3] if len(args) > 3 else kwargs.get("bias")
+    copies = 0
+    for t in (x, weight, bias):
+        if t is not None and not t.is_contiguous():
+            copies += t.numel() * _itemsize(t.dtype)
+    return copies
+
+
+@scratch_rule("cpu", aten.roll.default)
+def _roll(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/TensorTransformations.cpp roll_common: several dims roll the first one,
+    then `at::roll` the result over the rest (recursively): one input-sized intermediate per extra
+    dim, all live at the innermost call. No dims: a flattened roll (`flatten()` copies a
+    non-contiguous input)."""
+    x = args[0]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims", ())
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    nbytes = x.numel() * _itemsize(x.dtype)
+    if not dims:
+        return 0 if x.is_contiguous() else nbytes
+    return (len(dims) - 1) * nbytes
+
+
 @scratch_rule("cpu", aten.native_layer_norm_backward.default)
 def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
     """aten/src/ATen/native/layer_norm.cpp layer_norm_backward_cpu: `input.expect_contiguous()` and
@@ -639,6 +715,36 @@ def _embedding_dense_backward(args: tuple, kwargs: dict, out: Any) -> int:
     if scale_grad_by_freq:
         extra += num_weights * _itemsize(indices.dtype)
     return extra
+
+
+@scratch_rule("cpu", aten.gelu_backward.default)
+def _gelu_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/Activation.cpp gelu_backward_out_cpu: the exact (erf) GELU goes to oneDNN's
+    eltwise_backward when use_mkldnn(self) holds, whose itensor views need one layout: when the input
+    and the incoming gradient are laid out differently (GELU over a permuted einsum or bmm output)
+    both are reordered into temporaries. Which layouts oneDNN accepts as they are is its own choice,
+    so a mismatch is measured; matching layouts take the TensorIterator kernel (no scratch)."""
+    grad, self = args[0], args[1]
+    approximate = args[2] if len(args) > 2 else kwargs.get("approximate", "none")
+    if approximate == "none" and grad.stride() != self.stride():
+        return probe_scratch(aten.gelu_backward.default, args, kwargs)
+    return _generic_cpu(aten.gelu_backward.default, args, kwargs, out)
+
+
+@scratch_rule("cpu", aten._softmax.default, aten._log_softmax.default)
+def _softmax_cpu(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/SoftMax.cpp softmax_cpu_out / log_softmax_cpu_out: `input_.contiguous()`
+    (a copy when the input is transposed, e.g. log_softmax over a (T, B, C) view for CTC)."""
+    x = args[0]
+    copy = 0 if x.is_contiguous() else x.numel() * _itemsize(x.dtype)
+    return copy + _generic_cpu(aten._softmax.default, args, kwargs, out)
+
+
+@scratch_rule("cpu", aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def _softmax_backward_cpu(args: tuple, kwargs: dict, out: Any) -> int:
+    """SoftMax.cpp softmax_backward_cpu_out / log_softmax_backward_cpu_out: `grad.contiguous()` and
+    `output.contiguous()` (copies of a transposed incoming gradient)."""
+    return sum(t.numel() * _itemsize(t.dtype) for t in args[:2] if not t.is_contiguous())
 
 
 @scratch_rule("cpu", aten._safe_softmax.default)

@@ -24,9 +24,10 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
 from memplan.step import PreparedStep, StepConfig, prepare_step, run_steps
@@ -37,6 +38,32 @@ ROLES = ("weights", "gradients", "optimizer_state", "activations", "temporaries"
 # Ops whose output shape depends on data. Policy: every element is selected (an upper bound), and
 # the estimate is marked approximate, naming the op.
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default}
+
+
+def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
+                      *_: Any, **__: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+    """aten._ctc_loss: (neg_log_likelihood (batch,), log_alpha (batch, T, 2 * max_target_length + 1)),
+    as LossCTC.cpp and LossCTC.cu allocate them. Fake tensors refuse it: the longest target is read
+    from the lengths. Padded 2-D targets give it by their width, integer-list lengths by their values
+    (both exact); concatenated 1-D targets with tensor lengths are bounded by all the targets."""
+    if targets.dim() == 2:
+        longest, exact = targets.shape[1], True
+    elif isinstance(target_lengths, (list, tuple)):
+        longest, exact = max(target_lengths, default=0), True
+    else:
+        longest, exact = targets.shape[0], False
+    batch = log_probs.shape[1]
+    nll = torch.empty((batch,), dtype=log_probs.dtype, device=log_probs.device)
+    log_alpha = torch.empty((batch, log_probs.shape[0], 2 * longest + 1), dtype=log_probs.dtype, device=log_probs.device)
+    return (nll, log_alpha), exact
+
+
+# Ops whose fake kernel refuses to run (DynamicOutputShapeException) but whose output shapes the
+# arguments give exactly or bound: -> ((outputs), exact). Not exact: the estimate says approximate.
+_SHAPE_FROM_ARGUMENTS: dict[Any, Callable[..., tuple[Any, bool]]] = {
+    torch.ops.aten._ctc_loss.default: _ctc_loss_outputs,
+    torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs,
+}
 # Writes to its `found_inf` argument: reading it back (GradScaler) must say "no overflow".
 _FOUND_INF_WRITERS = {torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default}
 
@@ -55,7 +82,9 @@ class Op:
     writes: tuple[int, ...]  # storage ids its schema says it mutates in place (add_, relu_, copy_, ...)
     allocates: tuple[int, ...]  # storage ids it creates
     scratch_bytes: int  # kernel-internal scratch, allocated and freed inside the op (device rule)
-    # autograd's gradient accumulation, which eager PyTorch does in place (see _is_grad_accumulation)
+    # an out-of-place add that eager PyTorch does in place into its first operand, which the tracer
+    # sees out of place because fake tensors are tensor subclasses: autograd's gradient accumulation
+    # (_is_grad_accumulation) and a linear layer's bias add (_is_linear_bias_add)
     accumulates_in_place: bool = False
 
 
@@ -159,6 +188,8 @@ class _Recorder(TorchDispatchMode):
         self.phase, self.step, self.module_stack = "setup", -1, [""]
         self.found_inf: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
         self.approximate: list[str] = []
+        # open F.linear calls: (bias storage, index of the first op inside the call)
+        self.linear_calls: list[tuple[torch.UntypedStorage, int]] = []
 
     # -- storages -------------------------------------------------------------------------------
 
@@ -200,6 +231,10 @@ class _Recorder(TorchDispatchMode):
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if func in _DATA_DEPENDENT:
             out = self._assume_all_selected(func, args)
+        elif func in _SHAPE_FROM_ARGUMENTS:
+            out, exact = _SHAPE_FROM_ARGUMENTS[func](*args, **kwargs)
+            if not exact:
+                self.approximate.append(str(func))
         else:
             out = self.rules.fix_outputs(func, args, kwargs, func(*args, **kwargs))
         if func in _FOUND_INF_WRITERS:
@@ -239,22 +274,44 @@ class _Recorder(TorchDispatchMode):
                 writes=writes,
                 allocates=tuple(allocates),
                 scratch_bytes=scratch,
-                accumulates_in_place=self._is_grad_accumulation(func),
+                accumulates_in_place=self._is_grad_accumulation(func, args) or self._is_linear_bias_add(func, args),
             )
         )
         return out
 
-    def _is_grad_accumulation(self, func: Any) -> bool:
+    def _is_grad_accumulation(self, func: Any, args: tuple = ()) -> bool:
         """The autograd engine sums two gradients of one tensor with `old.add_(new)` when it holds the
-        last reference to `old` (input_buffer.cpp, can_accumulate_inplace); a fake tensor is a tensor
-        subclass, so under tracing the engine takes the out-of-place branch instead. Such an add runs
-        in backward, outside any module (a recomputed forward runs inside one), with grad mode off."""
-        return (
+        last reference to `old` and to its storage, and `old` is non-overlapping and dense
+        (input_buffer.cpp, can_accumulate_inplace); a fake tensor is a tensor subclass, so under
+        tracing the engine takes the out-of-place branch `old + new` instead. Such an add runs in
+        backward, outside any module (a recomputed forward runs inside one), with grad mode off.
+        A view (the transposed weight gradient of a linear layer tied to an embedding) shares its
+        storage with its base, which it keeps alive: eager sums it out of place as well."""
+        if not (
             func is torch.ops.aten.add.Tensor
             and self.phase == "backward"
             and self.module_stack == [""]
             and not torch.is_grad_enabled()
-        )
+        ):
+            return False
+        old = args[0] if args else None
+        return not (isinstance(old, torch.Tensor) and (old._is_view() or not is_non_overlapping_and_dense_or_false(old)))
+
+    def _is_linear_bias_add(self, func: Any, args: tuple) -> bool:
+        """aten/src/ATen/native/Linear.cpp linear: without a fused path (an input of 3 or more dims
+        that is not contiguous, e.g. a Linear over a transposed sequence) it computes
+        `output = at::matmul(input, weight.t())` and adds the bias in place, `output.add_(bias)`,
+        unless the bias is a tensor subclass (a fake tensor is one), when it takes the out-of-place
+        `at::add(output, bias)`. The add of the bias to a result of this call is eager's in-place add."""
+        if func is not torch.ops.aten.add.Tensor or not self.linear_calls or len(args) < 2:
+            return False
+        bias_storage, first = self.linear_calls[-1]
+        output, bias = args[0], args[1]
+        if not (isinstance(bias, torch.Tensor) and bias.untyped_storage() is bias_storage):
+            return False
+        sid = self.ids.get(output.untyped_storage()) if isinstance(output, torch.Tensor) else None
+        made_by = self.storages[sid]["op"] if sid is not None else None
+        return made_by is not None and made_by >= first
 
     def _scalar(self, tensor: torch.Tensor) -> Any:
         # A data-dependent scalar: GradScaler's overflow flag reads "no overflow"; any other value
@@ -306,6 +363,9 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         if path is not None and open_calls and open_calls[-1][0] == path:
             recorder.module_stack.pop()
             _, first, inputs = open_calls.pop()
+            # global pre-hooks get no keyword arguments: the tensors passed by keyword (an attention
+            # mask, encoder states) are added here, after the positional ones
+            inputs = inputs + tuple(sid for sid in tensor_ids(kwargs) if sid not in inputs)
             calls.append(
                 ModuleCall(
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
@@ -324,14 +384,161 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
             handle.remove()
 
 
+class _LinearScopes(torch.overrides.TorchFunctionMode):
+    """Marks the F.linear calls that have a bias, for the recorder (`_Recorder._is_linear_bias_add`)."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch._C._nn.linear:
+            return func(*args, **kwargs)
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if not isinstance(bias, torch.Tensor):
+            return func(*args, **kwargs)
+        self.recorder.linear_calls.append((bias.untyped_storage(), len(self.recorder.ops)))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.recorder.linear_calls.pop()
+
+
+class _ConstantShadows(TorchDispatchMode):
+    """While the factory builds the model under fake tensors, small tensors computed from constants
+    alone (`torch.linspace(0, drop_path_rate, depth).tolist()`, `int(torch.tensor(sizes).prod())`)
+    are also computed for real, so that reading their values back (`.item()`, `.tolist()`) gives the
+    real numbers instead of failing as data-dependent. A tensor has a real shadow when the op that
+    made it is deterministic, its tensor operands all have shadows (or are real), and its result is
+    small; an op that writes a shadowed tensor otherwise (random init) drops the shadows of every
+    tensor over that storage. Nothing here reaches the traced step: the shadows go with the mode."""
+
+    LIMIT = 1 << 14  # elements per tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some shadow is over
+
+    def _shadow(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not isinstance(value, FakeTensor):
+            return value  # a real tensor (torch.tensor's data before lift_fresh) is its own value
+        return self.real.get(value)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.real:
+            with _disable_current_modes():  # the fake mode below would take the real tensor for a fake one
+                return self.real[args[0]].item()
+        out = func(*args, **kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        written = _written_arguments(func, args, kwargs)
+        real_flat = [self._shadow(v) for v in flat]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)]
+        computable = (
+            torch.Tag.nondeterministic_seeded not in func.tags
+            and all(r is not None for v, r in zip(flat, real_flat) if isinstance(v, torch.Tensor))
+            and all(t.numel() <= self.LIMIT for t in outputs)
+            and not any(isinstance(t, FakeTensor) and t.numel() > self.LIMIT for t in written)
+        )
+        real_out = None
+        if computable:
+            real_args, real_kwargs = tree_unflatten(real_flat, spec)
+            try:
+                with _disable_current_modes():
+                    real_out = func(*real_args, **real_kwargs)
+            except Exception:  # noqa: BLE001 - no shadow, no harm: the value is only needed if read
+                real_out = None
+        if real_out is None:
+            for t in written:  # its real value is unknown now, and so is that of any view of it
+                storage = t.untyped_storage()
+                if storage in self.storages:
+                    for key in [k for k in self.real if k.untyped_storage() is storage]:
+                        del self.real[key]
+            return out
+        for fake, real in zip(tree_flatten(out)[0], tree_flatten(real_out)[0]):
+            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
+                self.real[fake] = real
+                self.storages.add(fake.untyped_storage())
+        return out
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def _checkpoint_inputs_unhooked(pack: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Saved-tensor hooks (the tracer's, which label saved storages as activations) make autograd
+    unpack a new tensor object for each saved one. torch.utils.checkpoint saves a segment's inputs
+    that way and recomputes the segment on the unpacked ones, so inputs that were one object (the
+    query, key and value of nn.MultiheadAttention's self-attention, tested with `is`) become three,
+    the recomputation takes another path, and checkpoint's determinism check raises. Eager has no
+    hooks there: the inputs are saved with the tracer's hooks lifted (and labelled all the same)."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    frame = getattr(torch_checkpoint, "_CheckpointFrame", None)
+    original = getattr(frame, "save_inputs", None)
+    if original is None:
+        yield
+        return
+
+    def save_inputs(self: Any, *args: Any) -> None:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        ours = top is not None and top[0] is pack
+        if ours:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        try:
+            original(self, *args)
+        finally:
+            if ours:
+                torch._C._autograd._push_saved_tensors_default_hooks(*top)
+        if ours:
+            for arg in args:
+                if isinstance(arg, torch.Tensor):
+                    pack(arg)
+
+    frame.save_inputs = save_inputs
+    try:
+        yield
+    finally:
+        frame.save_inputs = original
+
+
+@contextlib.contextmanager
+def _deepcopy_shares_fake_mode() -> Iterator[None]:
+    """`copy.deepcopy` of a fake tensor (nn.TransformerEncoder cloning its layer, an EMA copy of a
+    model) deep-copies the tensor's `fake_mode` attribute too, and with it the mode's memo of weak
+    storage references (raw pointers): both copies later free the same references, which corrupts
+    the heap (segfaults mid-trace). The mode is shared state, never data: copies keep the original."""
+    had = "__deepcopy__" in vars(FakeTensorMode)
+    previous = vars(FakeTensorMode).get("__deepcopy__")
+    FakeTensorMode.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensorMode.__deepcopy__ = previous  # type: ignore[attr-defined]
+        else:
+            del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]
+
+
 def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = TraceRules(),
                transform: Callable[[nn.Module], nn.Module] | None = None) -> Trace:
     """Run the training step of `config` on `workload` under fake tensors and record it.
     `transform` is applied to the built model first (e.g. a checkpoint plan)."""
     recorder = _Recorder(rules)
     calls: list[ModuleCall] = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, inputs = workload.build()
+    with FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode():
+        with _ConstantShadows():
+            model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
@@ -357,8 +564,8 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:
-            with rules.function_mode(), recorder, _module_scopes(recorder, prepared.model, calls), \
-                    torch.autograd.graph.saved_tensors_hooks(mark_saved, lambda t: t):
+            with rules.function_mode(), _LinearScopes(recorder), recorder, _module_scopes(recorder, prepared.model, calls), \
+                    torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:
             if hasattr(rules.autocast, "close"):

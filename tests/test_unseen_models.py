@@ -1,0 +1,332 @@
+"""Architectures outside the zoo: the estimate against the CPU allocator's own events (memplan.verify).
+
+Each model here exercises one mechanism that an unseen model broke: building under fake tensors
+(layers cloned by copy.deepcopy, values read back while building), an op the fake kernels refuse
+(CTC loss), ops whose real kernels allocate differently from their fake ones (losses reduced into
+an input-sized storage, col2im, GELU's oneDNN backward over mismatched layouts, pooling over
+transposed inputs, LayerNorm's contiguous gradient) and the autograd engine summing a view's
+gradient out of place (tied embeddings). The ground truth is always `memplan.verify.measure`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memplan.estimate import estimate
+from memplan.step import StepConfig
+from memplan.verify import measure
+from memplan.workload import Workload
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _check(build, precision="fp32", optimizer="adamw", grad_accum=1, steps=2, tolerance=0.0):
+    workload = Workload(build.__name__, build, None, {})
+    config = StepConfig(precision=precision, optimizer=optimizer, grad_accum=grad_accum, steps=steps)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    for phase in PHASES:
+        truth = measured.phase_peaks[phase]
+        assert abs(predicted.phase_peaks[phase] - truth) <= tolerance * truth, (
+            phase, predicted.phase_peaks, measured.phase_peaks)
+    assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= tolerance * measured.measured_peak_bytes
+    return predicted, measured
+
+
+# --------------------------------------------------------------------------------------------------
+# Building under fake tensors
+
+
+def transformer_encoder_built_inside(batch_size: int = 2):
+    """nn.TransformerEncoder deep-copies its layer; built inside the model's __init__, the copies'
+    fake tensors used to carry a deep copy of the fake mode, which corrupted the heap (segfault)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, activation="gelu", batch_first=True,
+                                               norm_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        def forward(self, x, mask):
+            return self.enc(x, src_key_padding_mask=mask).mean()
+
+    mask = torch.zeros(batch_size, 16, dtype=torch.bool)
+    mask[:, -3:] = True
+    return Net(), (torch.randn(batch_size, 16, 32), mask)
+
+
+def test_deep_copied_layers_trace_and_match():
+    _check(transformer_encoder_built_inside)
+
+
+def test_deepcopy_of_a_fake_tensor_keeps_its_mode():
+    from memplan.trace import _deepcopy_shares_fake_mode
+
+    with FakeTensorMode() as mode, _deepcopy_shares_fake_mode():
+        copied = copy.deepcopy(nn.Linear(4, 4))
+        assert copied.weight.fake_mode is mode
+    assert "__deepcopy__" not in vars(FakeTensorMode)  # restored
+
+
+def stochastic_depth(batch_size: int = 4):
+    """Drop-path rates read back with .tolist() and a width from .item() while building (timm,
+    Hugging Face ConvNeXt/Swin): the values must be the real ones, under fake tensors too."""
+    rates = torch.linspace(0, 0.2, 3).tolist()
+    width = int(torch.tensor([4, 8]).prod().item())  # 32
+
+    class Block(nn.Module):
+        def __init__(self, rate):
+            super().__init__()
+            self.rate = rate
+            self.fc = nn.Linear(width, width)
+
+        def forward(self, x):
+            keep = (torch.rand(x.shape[0], 1) >= self.rate).to(x.dtype) / (1 - self.rate)
+            return x + self.fc(x) * keep
+
+    return nn.Sequential(*(Block(r) for r in rates)), (torch.randn(batch_size, width),)
+
+
+def test_values_read_back_while_building():
+    predicted, _ = _check(stochastic_depth)
+    assert not predicted.approximate
+
+
+def test_constant_shadows_follow_in_place_writes():
+    from memplan.trace import _ConstantShadows
+
+    with FakeTensorMode(), _ConstantShadows():
+        x = torch.arange(6.0)
+        view = x[2:]
+        x.mul_(2)
+        assert view[0].item() == 4.0  # a deterministic write updates the shadows of views too
+        x.normal_()
+        with pytest.raises(Exception):  # noqa: B017 - random values are unknown: data-dependent again
+            view[0].item()
+
+
+# --------------------------------------------------------------------------------------------------
+# Ops whose fake kernels refuse to run or allocate differently
+
+
+def ctc_audio(batch_size: int = 4, targets_2d: bool = True):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(8, 24, 3, padding=1)
+            self.out = nn.Linear(24, 10)
+
+        def forward(self, x, targets, input_lengths, target_lengths):
+            h = F.gelu(self.conv(x)).transpose(1, 2)
+            log_probs = self.out(h).log_softmax(-1).transpose(0, 1)
+            lengths = target_lengths if targets_2d else target_lengths.tolist()
+            inputs = input_lengths if targets_2d else input_lengths.tolist()
+            return F.ctc_loss(log_probs, targets, inputs, lengths)
+
+    steps, target = 120, 30
+    targets = torch.randint(1, 10, (batch_size, target))
+    return Net(), (torch.randn(batch_size, 8, steps), targets if targets_2d else targets.flatten(),
+                   torch.full((batch_size,), steps, dtype=torch.long), torch.full((batch_size,), target, dtype=torch.long))
+
+
+def test_ctc_loss_with_padded_targets():
+    # tolerance: the mean reduction's `nll / target_lengths` is 4 bytes per sample above the eager
+    # run at the forward's peak (not yet explained); log_beta alone (117 KB here) is 30% of backward
+    predicted, _ = _check(ctc_audio, tolerance=1e-3)
+    assert not predicted.approximate
+
+
+@pytest.mark.parametrize("loss", ["mse", "smooth_l1", "soft_margin", "bce"])
+def test_losses_reduced_into_an_input_sized_storage(loss):
+    def reduced_loss(batch_size: int = 8):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(16, 4096)
+
+            def forward(self, z, target):
+                y = self.up(z)
+                if loss == "mse":
+                    return F.mse_loss(y, target)
+                if loss == "smooth_l1":
+                    return F.smooth_l1_loss(y, target, reduction="sum")
+                if loss == "soft_margin":
+                    return F.soft_margin_loss(y, target.sign())
+                return F.binary_cross_entropy(torch.sigmoid(y), target.sigmoid())
+
+        return Net(), (torch.randn(batch_size, 16), torch.randn(batch_size, 4096))
+
+    reduced_loss.__name__ = f"reduced_{loss}"
+    _check(reduced_loss)
+
+
+def dense_moe(batch_size: int = 4, seq: int = 16, d: int = 32, experts: int = 4):
+    """Exact GELU over a permuted einsum output: oneDNN's backward reorders both operands."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(d, experts)
+            self.w1 = nn.Parameter(torch.randn(experts, d, 4 * d) * 0.02)
+            self.w2 = nn.Parameter(torch.randn(experts, 4 * d, d) * 0.02)
+
+        def forward(self, x):
+            value, index = self.router(x).topk(2, dim=-1)
+            gate = torch.zeros(*x.shape[:-1], experts).scatter(-1, index, value.softmax(-1))
+            h = F.gelu(torch.einsum("bsd,edh->bseh", x, self.w1))
+            y = torch.einsum("bseh,ehd->bsed", h, self.w2)
+            return (gate.unsqueeze(-1) * y).sum(2).pow(2).mean()
+
+    return Net(), (torch.randn(batch_size, seq, d),)
+
+
+def test_gelu_backward_over_mismatched_layouts():
+    _check(dense_moe)
+
+
+def unfold_fold_pool(batch_size: int = 4):
+    """F.unfold / F.fold (im2col, col2im: col2im's result keeps the columns' storage) and max_pool1d
+    over a transposed sequence (the pooling backward copies the gradient to the input's layout)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.lin = nn.Linear(8 * 9, 16)
+
+        def forward(self, x):
+            h = F.relu(self.conv(x))
+            cols = F.unfold(h, 3, padding=1, stride=2)
+            folded = F.fold(cols, h.shape[-2:], 3, padding=1, stride=2)
+            seq = self.lin(cols.transpose(1, 2))
+            pooled = F.max_pool1d(seq.transpose(1, 2), 4)
+            return folded.mean() + pooled.pow(2).mean()
+
+    return Net(), (torch.randn(batch_size, 3, 32, 32),)
+
+
+def test_unfold_fold_and_pooling_over_a_transposed_sequence():
+    _check(unfold_fold_pool)
+
+
+def tied_embedding(batch_size: int = 4, seq: int = 16, d: int = 128, vocab: int = 2048):
+    """The head's weight gradient (a view: the transposed mm) and the embedding's meet: eager sums
+    them out of place, since the view keeps its base alive."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.head = nn.Linear(d, vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.emb(ids))).pow(2).mean()
+
+    return Net(), (torch.randint(0, vocab, (batch_size, seq)),)
+
+
+def test_tied_embedding_gradients_sum_out_of_place():
+    _check(tied_embedding)
+
+
+def layer_norm_then_transpose(batch_size: int = 4, length: int = 64, channels: int = 96):
+    """The gradient reaching the LayerNorm is transposed; the real kernel's input gradient is
+    row-major, so the view before it stays a view (the fake kernel's would need a copy)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(channels, channels)
+            self.norm = nn.LayerNorm(channels)
+            self.mix = nn.Linear(length, length)
+
+        def forward(self, x):
+            h = self.proj(x.flatten(0, 1)).view(x.shape[0], length, channels)
+            return self.mix(self.norm(h).transpose(1, 2)).pow(2).mean()
+
+    return Net(), (torch.randn(batch_size, length, channels),)
+
+
+def test_layer_norm_gradient_is_row_major():
+    _check(layer_norm_then_transpose)
+
+
+def stacked_layer_norms(batch_size: int = 4, tokens: int = 512, channels: int = 16):
+    """Under autocast a LayerNorm sees a bf16 input and keeps fp32 parameters: the CPU kernel saves
+    its mean and rstd in fp32 (one per token, several norms' worth by the end of forward)."""
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(channels, channels), nn.LayerNorm(channels)]
+    return nn.Sequential(*layers), (torch.randn(batch_size, tokens, channels),)
+
+
+def test_layer_norm_statistics_under_autocast_are_fp32():
+    _check(stacked_layer_norms, precision="amp-bf16")
+
+
+def shifted_windows(batch_size: int = 4, size: int = 32, channels: int = 64):
+    """torch.roll over two dims (one input-sized intermediate) and a LayerNorm over a permuted
+    (non-contiguous) tensor (copied first), as in shifted-window attention."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, channels, 1)
+            self.norm = nn.LayerNorm(channels)
+
+        def forward(self, x):
+            h = self.conv(x)
+            shifted = torch.roll(h, shifts=(2, 2), dims=(2, 3))
+            return self.norm(shifted.permute(0, 2, 3, 1)).sum()
+
+    return Net(), (torch.randn(batch_size, 3, size, size),)
+
+
+def test_roll_and_layer_norm_over_a_permuted_input():
+    _check(shifted_windows)
+
+
+def checkpointed_attention(batch_size: int = 4):
+    """nn.MultiheadAttention's self-attention checks `query is key is value`; checkpointed, it must
+    be recomputed on the same single input object under tracing, as in eager."""
+    from memplan.emit import checkpoint_segment
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(32, 32)
+            self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+            self.head = nn.Linear(32, 8)
+
+        def forward(self, x):
+            h = self.inp(x)  # an input that requires grad, as inside any network
+            y, _ = self.attn(h, h, h, need_weights=False)
+            return self.head(y + h).pow(2).mean()
+
+    model = Net()
+    checkpoint_segment([model.attn])
+    return model, (torch.randn(batch_size, 24, 32),)
+
+
+def test_checkpointed_self_attention_recomputes_the_same_path():
+    _check(checkpointed_attention)
+
+
+def test_gru_gradient_views_sum_out_of_place():
+    """tests/fixtures/user_models.py:gru_conv1d at batch 2 (once 3.4% low in backward): gradients
+    that meet as views are summed out of place by the engine."""
+    from memplan.workload import resolve_workload
+
+    workload = resolve_workload("tests/fixtures/user_models.py:gru_conv1d", 2)
+    config = StepConfig(precision="fp32", optimizer="adamw", steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert predicted.phase_peaks == measured.phase_peaks
