@@ -68,28 +68,39 @@ def _checkpoint(function, saved_ops, args, kwargs, modules):
     # find the device whose RNG state it preserves, and a model's keyword could clash with its own.
     names = tuple(kwargs)
     calls = 0
+    restoring = [False]  # while buffers are copied: ops the policy must not count
 
     def call(*flat):
         nonlocal calls
         positional = len(flat) - len(names)
         recomputing, calls = calls > 0, calls + 1
-        # Forward may change the segment's buffers (BatchNorm's running statistics): put them
-        # back after recomputing, so that the state changes once per step, as without checkpoints.
-        state = [(b, b.clone()) for m in modules for b in m.buffers()] if recomputing else []
+        # Forward may change the segment's buffers (BatchNorm's running statistics): recompute on
+        # copies, so that the state changes once per step, as without checkpoints. Checkpoint's
+        # selective mode numbers each op's calls and wants the same numbers in both passes, so a
+        # selective segment copies them in forward too (and the policy does not count the copies).
+        owners = [owner for module in modules for owner in module.modules()]
+        slots = [(o, name, b) for o in owners for name, b in o.named_buffers(recurse=False)]
+        restoring[0] = True
+        copy_now = recomputing or saved_ops is not None
+        copies = [buffer.clone() for _, _, buffer in slots] if copy_now else []
+        restoring[0] = False
+        if recomputing:
+            for (owner, name, _), copy in zip(slots, copies):
+                setattr(owner, name, copy)
         try:
             return function(*flat[:positional], **dict(zip(names, flat[positional:])))
         finally:
-            with torch.no_grad():
-                for buffer, value in state:
-                    buffer.copy_(value)
+            if recomputing:
+                for owner, name, buffer in slots:
+                    setattr(owner, name, buffer)
 
-    options = {} if saved_ops is None else {"context_fn": _keep_policy(saved_ops)}
+    options = {} if saved_ops is None else {"context_fn": _keep_policy(saved_ops, restoring)}
     return checkpoint(call, *args, *kwargs.values(), use_reentrant=False, **options)
 
 
-def _keep_policy(saved_ops):
+def _keep_policy(saved_ops, restoring=(False,)):
     """checkpoint's context_fn for a selective segment: MUST_SAVE for the listed op calls,
-    PREFER_RECOMPUTE for every other op."""
+    PREFER_RECOMPUTE for every other op; ops run while `restoring[0]` is true are not counted."""
     every_call = {entry for entry in saved_ops if not isinstance(entry, tuple)}
     one_call = {entry for entry in saved_ops if isinstance(entry, tuple)}
 
@@ -100,6 +111,8 @@ def _keep_policy(saved_ops):
         calls_seen = {False: {}, True: {}}
 
         def policy(ctx, op, *args, **kwargs):
+            if restoring[0]:
+                return CheckpointPolicy.PREFER_RECOMPUTE
             seen = calls_seen[bool(ctx.is_recompute)]
             call = seen.get(op, 0)
             seen[op] = call + 1
@@ -319,7 +332,7 @@ def emit_module(plan: Plan) -> str:
         + "`model = apply_checkpointing(model)` wraps the planned modules in place: module paths,\n"
         + "parameter names and state_dict keys stay the same.\n"
         + '"""\n\n'
-        + "import torch\n"
+        + ("import torch\n" if any(segment.policy == "selective" for segment in plan.segments) else "")
         + "from torch import nn\n"
         + "from torch.utils.checkpoint import (\n"
         + "    CheckpointPolicy,\n"

@@ -365,6 +365,34 @@ def test_zoo_gradients_equal(name):
     assert_same_step(original, checkpointed, inputs)
 
 
+def test_selective_segment_with_buffers_keeps_its_calls_in_step():
+    """Recomputing puts BatchNorm's running statistics back with clone and copy_; those ops must not
+    shift the segment's call numbering, or its kept `clone` calls come back in the wrong order."""
+
+    class NormThenCopy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm1d(8)
+
+        def forward(self, x):
+            return torch.tanh(self.norm(x).clone() * 2).clone()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.block, self.out = nn.Linear(8, 8), NormThenCopy(), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.out(self.block(self.inp(x))).sum()
+
+    torch.manual_seed(0)
+    original, x = Net(), torch.randn(4, 8)
+    for saved_ops in (("aten.clone.default#0",), ("aten.clone.default#1",), ("aten.clone.default",)):
+        plan = make_plan(Segment(("block",), "selective", saved_ops), model="net")
+        checkpointed = apply_plan(copy.deepcopy(original), plan)
+        assert_same_step(copy.deepcopy(original), checkpointed, (x,))
+
+
 # --------------------------------------------------------------------------------------------------
 # The emitted module
 
