@@ -8,7 +8,7 @@ per-phase peaks and the first step apart from later ones.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -182,23 +182,42 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
 
 
 def _in_place_accumulation(trace: Trace) -> list[Event]:
-    """The events in eager order. Where the trace has the engine's out-of-place gradient sum
-    `old + new` and `old` is freed right after it, eager PyTorch added in place into `old`: replay
-    that free before the sum's allocation, so the two never count at once."""
+    """The events in eager order. Where the trace has an out-of-place sum `old + new` that eager
+    PyTorch does in place (Op.accumulates_in_place) and `old` is freed right after it, eager added
+    into `old`: replay that free before the sum's allocation, so the two never count at once."""
+    return _replay_in_place_sums(trace)[0]
+
+
+def in_place_sums(trace: Trace) -> dict[int, int]:
+    """Each storage that eager PyTorch sums into in place (see _in_place_accumulation): the op summing."""
+    return _replay_in_place_sums(trace)[1]
+
+
+def _replay_in_place_sums(trace: Trace) -> tuple[list[Event], dict[int, int]]:
     events = list(trace.events)
+    sums = {}
     for position, event in enumerate(events):
-        if event.kind != "alloc" or not trace.ops[event.op].accumulates_in_place:
-            continue
-        op = trace.ops[event.op]
-        size = trace.storages[event.storage].nbytes
-        for later in range(position + 1, len(events)):
-            candidate = events[later]
-            if candidate.kind != "free" or not _no_op_between(trace, event.op, candidate.op):
-                break  # only frees that happen before the next op runs
-            if candidate.storage in op.reads and trace.storages[candidate.storage].nbytes == size:
-                events.insert(position, events.pop(later))
-                break
-    return events
+        later = _in_place_summand(trace, events, position)
+        if later is not None:
+            sums[events[later].storage] = event.op
+            events.insert(position, events.pop(later))
+    return events, sums
+
+
+def _in_place_summand(trace: Trace, events: Sequence[Event], position: int) -> int | None:
+    """Where `events[position]` allocates an in-place sum: the position of the free of its summand."""
+    event = events[position]
+    if event.kind != "alloc" or not trace.ops[event.op].accumulates_in_place:
+        return None
+    op = trace.ops[event.op]
+    size = trace.storages[event.storage].nbytes
+    for later in range(position + 1, len(events)):
+        candidate = events[later]
+        if candidate.kind != "free" or not _no_op_between(trace, event.op, candidate.op):
+            return None  # only frees that happen before the next op runs
+        if candidate.storage in op.reads and trace.storages[candidate.storage].nbytes == size:
+            return later
+    return None
 
 
 def _no_op_between(trace: Trace, op: int, later: int) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from memplan.closed_loop import Candidate, ClosedLoop, Outcome
 from memplan.devices import device_model
 from memplan.emit import apply_plan
-from memplan.estimate import Estimate, estimate, estimate_and_trace
+from memplan.estimate import Estimate, estimate, estimate_and_trace, in_place_sums
 from memplan.gpus import gpu_spec, roofline_seconds
 from memplan.plan import Plan, Segment
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
@@ -237,8 +237,9 @@ def _joins_run(
 
 
 def _chained(previous: ModuleCall, call: ModuleCall) -> bool:
-    """The parent feeds one call's output straight into the next (`x = block(x)`)."""
-    return bool(call.inputs) and call.inputs[0] in previous.outputs
+    """The parent feeds one call's whole output straight into the next (`x = block(x)`), not a part of
+    it (`x = block(x)[0]`): a checkpointed run hands each member the previous one's output as it is."""
+    return bool(previous.outputs) and call.inputs[: len(previous.outputs)] == previous.outputs
 
 
 def _unsafe_reason(
@@ -246,6 +247,8 @@ def _unsafe_reason(
 ) -> str:
     """Why recomputing this call (or the run from it to `last`) is unsafe ("" when it is safe); `writers`
     is _writers(trace)."""
+    if ".parametrizations." in f".{call.path}.":
+        return "a parametrization (torch.nn.utils.parametrize) runs when its weight is read, not as a block"
     if _mutated_after(trace, writers, call, forward_end, last):
         return "its input or output is modified in place later in forward"
     approximate_ops = set(trace.approximate_ops)
@@ -361,13 +364,9 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
             for sid in (*op.reads, *op.writes):
                 first_read.setdefault(sid, op.index)
                 last_read[sid] = op.index
-    # autograd's gradient sums that eager PyTorch does in place (see estimate._in_place_accumulation):
-    # the summand freed right after the sum is the sum's own memory, so it stops counting at the sum
-    summed_into = {
-        sid: op.index for op in trace.ops if op.accumulates_in_place for sid in op.reads
-        if freed_after.get(sid) == op.index
-        and any(trace.storages[out].nbytes == trace.storages[sid].nbytes for out in op.allocates)
-    }
+    # sums that eager PyTorch does in place (estimate.in_place_sums): the summand is the sum's own
+    # memory, so it stops counting at the sum
+    summed_into = in_place_sums(trace)
     for sid, index in summed_into.items():
         last_read[sid] = index - 1
 
@@ -507,6 +506,9 @@ def plan_checkpoints(
             lower = not plan.feasible and not best.plan.feasible and planned.peak_bytes < best.planned.peak_bytes
             if cheaper or lower:
                 best = Outcome(replace(plan, method=f"{method} (via {baseline})"), planned, solution)
+    if not best.plan.feasible and best.planned.peak_bytes > unplanned.peak_bytes:
+        # no plan reached below the step without checkpoints: that is the lowest
+        best = loop.outcome(candidate(_solve("none", chain(budget_bytes))))
     return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, block_bytes))
 
 

@@ -265,3 +265,61 @@ def test_nested_plan_is_no_costlier_than_the_block_level_optimum_and_fits_when_m
     assert nested.recompute_flops <= block_level.recompute_flops
     assert any("." in path for path in nested.module_paths)  # something below the blocks was chosen
     assert measure(_gpt(), CONFIG, device="cpu", plan=nested).measured_peak_bytes == nested.predicted_peak_bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# Models written elsewhere: what the planner must not offer
+
+
+class _TupleBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return h, h.sum(-1)
+
+
+class _PartOfTheOutput(nn.Module):
+    """Each block returns a tuple; the parent passes on only its first element."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_TupleBlock() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)[0]
+        return x.sum()
+
+
+def _factory_workload(build, shape: tuple[int, ...]) -> Workload:
+    return Workload("factory", lambda batch_size=shape[0]: (build(), (torch.randn(batch_size, *shape[1:]),)), shape[0], {})
+
+
+def _weight_norm_mlp():
+    from torch.nn.utils.parametrizations import weight_norm
+
+    return nn.Sequential(weight_norm(nn.Linear(16, 64)), nn.Tanh(), weight_norm(nn.Linear(64, 1)))
+
+
+@pytest.mark.parametrize("build, banned", [
+    (_PartOfTheOutput, lambda paths: len(paths) > 1),  # a run would hand the next block the whole tuple
+    (_weight_norm_mlp, lambda paths: any("parametrizations" in p for p in paths)),  # runs when the weight is read
+])
+def test_plans_hold_only_segments_that_can_be_checkpointed(build, banned):
+    workload = _factory_workload(build, (8, 16))
+    result = plan_checkpoints(workload, CONFIG, 0, device="cpu")
+    assert not any(banned(segment.modules) for segment in result.plan.segments)
+    measured = measure(workload, CONFIG, device="cpu", plan=result.plan).measured_peak_bytes
+    assert measured == result.plan.predicted_peak_bytes
+
+
+def test_a_plan_that_does_not_fit_is_never_above_no_plan():
+    """Checkpointing these small layers keeps more (each segment's input) than it frees."""
+    workload = _factory_workload(lambda: nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh()))),
+                                 (64, 32))
+    unplanned = estimate(workload, CONFIG, device="cpu")
+    plan = plan_checkpoints(workload, CONFIG, 1, device="cpu").plan
+    assert not plan.feasible and plan.predicted_peak_bytes <= unplanned.peak_bytes
