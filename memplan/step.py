@@ -249,15 +249,17 @@ def loss_of(output: Any) -> torch.Tensor:
     """A scalar tensor output is the loss; an output with a `loss` attribute or key uses that;
     otherwise the loss is `first_tensor_output.float().mean()`."""
     if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    if isinstance(getattr(output, "loss", None), torch.Tensor):
-        return output.loss
-    first = _first_tensor(output)
-    if first is None:
-        raise BadInput(f"the model's output ({type(output).__name__}) holds no tensor to take a loss from")
-    return first.float().mean()
+        loss = output
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        loss = output["loss"]
+    elif isinstance(getattr(output, "loss", None), torch.Tensor):
+        loss = output.loss
+    else:
+        first = _first_tensor(output)
+        if first is None:
+            raise BadInput(f"the model's output ({type(output).__name__}) holds no tensor to take a loss from")
+        loss = first.float().mean()
+    return loss
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -306,6 +308,9 @@ def run_steps(
                 with autocast(device_type, precision.autocast_dtype) if precision.autocast_dtype else contextlib.nullcontext():
                     output = _call(model, prepared.inputs)
                     loss = loss_of(output)
+                if not loss.requires_grad:
+                    raise BadInput("the model's loss does not depend on any trainable parameter: no gradient "
+                                   "flows back from it (return a differentiable output)")
                 loss = loss / config.grad_accum if config.grad_accum > 1 else loss
                 on_phase("backward", step)
                 (scaler.scale(loss) if scaler else loss).backward()

@@ -38,7 +38,7 @@ from memplan.cpu_profiler import quiet_stderr
 from memplan.errors import BadInput, MemplanError
 from memplan.plan import Plan
 from memplan.step import PHASES, PreparedStep, StepConfig, optimizer_rule, prepare_step, run_steps
-from memplan.workload import Workload
+from memplan.workload import Workload, same_model
 
 SEED = 0
 SNAPSHOT_MAX_ENTRIES = 100_000
@@ -167,7 +167,7 @@ def check_supported(config: StepConfig, device: str) -> None:
 
 
 def check_plan(plan: Plan, workload: Workload) -> None:
-    if plan.model != workload.spec:
+    if not same_model(plan.model, workload.spec):
         raise BadInput(f"plan is for model {plan.model}, not {workload.spec}")
 
 

@@ -13,6 +13,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -98,12 +99,12 @@ def _load_factory(spec: str) -> Callable[..., Any]:
             del sys.modules[module_name]
             raise BadInput(f"{location} failed to import: {type(error).__name__}: {error}") from error
     else:
+        if os.getcwd() not in sys.path:  # as `python -m` would; after the installed packages
+            sys.path.append(os.getcwd())
         try:
             module = importlib.import_module(location)
         except ModuleNotFoundError as error:
-            as_file = Path(location.replace(".", "/") + ".py")
-            hint = f"; for the file, give {as_file}:{name}" if as_file.is_file() else ""
-            raise BadInput(f"module not found: {location} ({error}){hint}") from error
+            raise BadInput(f"module not found: {location} ({error})") from error
         except Exception as error:
             raise BadInput(f"{location} failed to import: {type(error).__name__}: {error}") from error
     factory = getattr(module, name, None)
@@ -112,6 +113,16 @@ def _load_factory(spec: str) -> Callable[..., Any]:
     if not callable(factory):
         raise BadInput(f"{location}:{name} is not callable")
     return factory
+
+
+def same_model(spec: str, other: str) -> bool:
+    """Whether two MODEL specs name the same factory: the same text, or the same file and NAME however
+    the path is spelled (`./m.py:f`, `m.py:f`, an absolute path)."""
+    if spec == other:
+        return True
+    (location, _, name), (other_location, _, other_name) = spec.rpartition(":"), other.rpartition(":")
+    files = all(loc.endswith(".py") or "/" in loc for loc in (location, other_location))
+    return files and name == other_name and Path(location).resolve() == Path(other_location).resolve()
 
 
 def parse_options(pairs: Iterable[str]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from types import ModuleType
 
 from torch import nn
 
+from memplan.errors import BadInput
 from models import bert, gpt2, llama, lstm, mlp, resnet, unet, vit
 
 
@@ -34,7 +35,7 @@ def _entry(name: str, family: ModuleType, default_batch_size: int, input_desc: s
     def build(batch_size: int, **overrides):
         for key in overrides:
             if key not in allowed:
-                raise TypeError(f"unknown option {key!r} for {name}; expected one of {', '.join(allowed)}")
+                raise BadInput(f"unknown option {key!r} for {name}; expected one of {', '.join(allowed)}")
         inputs = {k: v for k, v in overrides.items() if k in input_options}
         fields = {k: v for k, v in overrides.items() if k not in input_options}
         return family.build(dataclasses.replace(config, **fields), batch_size, **inputs)

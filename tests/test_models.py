@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from memplan.errors import BadInput
 from models import TINY_OVERRIDES, ZOO, zoo_names
 
 # Stated here as well as in the zoo, so that a wrong number in the zoo cannot pass as its own reference.
@@ -102,10 +103,10 @@ def test_overrides_shape_inputs_and_config():
         assert inputs["input_ids"].shape == (2, 512) and inputs["labels"].shape == (2,)
 
 
-def test_unknown_override_is_a_type_error():
-    with pytest.raises(TypeError, match=r"unknown option 'foo' for gpt2; expected one of seq_len, block_size"):
+def test_unknown_override_is_bad_input():
+    with pytest.raises(BadInput, match=r"unknown option 'foo' for gpt2; expected one of seq_len, block_size"):
         ZOO["gpt2"].build(1, foo=3)
-    with pytest.raises(TypeError, match="unknown option 'seq_len' for resnet18"):
+    with pytest.raises(BadInput, match="unknown option 'seq_len' for resnet18"):
         ZOO["resnet18"].build(1, seq_len=3)
 
 

@@ -1,14 +1,16 @@
 """Workload resolution: every way MODEL can be wrong gives one line on stderr and exit code 1."""
 
+import sys
+
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from cli.main import app
 from memplan.errors import BadInput
-from memplan.step import loss_of
+from memplan.step import StepConfig, loss_of
 from memplan.units import format_bytes, parse_size
-from memplan.workload import parse_options, resolve_workload
+from memplan.workload import Workload, parse_options, resolve_workload
 
 FIXTURE = "tests/fixtures/user_models.py"
 runner = CliRunner()
@@ -92,3 +94,39 @@ def test_format_bytes_binary_units():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(3 * 2**30) == "3.00 GiB"
     assert format_bytes(12) == "12 B"
+
+
+def test_the_same_file_spelled_two_ways_is_the_same_model(tmp_path, monkeypatch):
+    from memplan.workload import same_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.py").write_text("")
+    assert same_model("./m.py:f", "m.py:f") and same_model(f"{tmp_path}/m.py:f", "m.py:f")
+    assert not same_model("m.py:f", "m.py:g") and not same_model("gpt2", "gpt2-medium")
+
+
+def test_a_package_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (tmp_path / "my_models_pkg").mkdir()
+    (tmp_path / "my_models_pkg" / "__init__.py").write_text(
+        "import torch\ndef build(batch_size=2):\n    return torch.nn.Linear(4, 1), (torch.randn(batch_size, 4),)\n")
+    workload = resolve_workload("my_models_pkg:build", 2)
+    model, _ = workload.build()
+    assert model.in_features == 4
+
+
+def test_a_loss_that_no_gradient_reaches_is_one_clear_error():
+    from memplan.estimate import estimate
+
+    class Argmax(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x).argmax(-1).float().mean()
+
+    workload = Workload("argmax", lambda batch_size=2: (Argmax(), (torch.randn(batch_size, 4),)), 2, {})
+    with pytest.raises(BadInput, match="no gradient"):
+        estimate(workload, StepConfig(), device="cpu")
