@@ -506,7 +506,7 @@ def plan_checkpoints(
             lower = not plan.feasible and not best.plan.feasible and planned.peak_bytes < best.planned.peak_bytes
             if cheaper or lower:
                 best = Outcome(replace(plan, method=f"{method} (via {baseline})"), planned, solution)
-    if not best.plan.feasible and best.planned.peak_bytes > unplanned.peak_bytes:
+    if method in EXACT_METHODS and not best.plan.feasible and best.planned.peak_bytes > unplanned.peak_bytes:
         # no plan reached below the step without checkpoints: that is the lowest
         best = loop.outcome(candidate(_solve("none", chain(budget_bytes))))
     return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, block_bytes))
