@@ -759,6 +759,8 @@ def plan_selective(
         best = min([r for r in fitting if beats_baselines(r)] or fitting, key=lambda r: (cost(r), r.planned.peak_bytes))
     else:
         best = min(realised, key=lambda r: (r.planned.peak_bytes, cost(r)))
+        if best.planned.peak_bytes > unplanned.peak_bytes:  # no plan got below the step without one
+            best = Outcome(*realise(replace(best.plan, segments=(), method="none")), None)
     exclusions = tuple((b.path, name, why) for b in blocks for name, why in b.exclusions)
     solved: _Solved | None = best.solution  # None where the plan is a baseline passed in
     solution = None if solved is None else solved.solution

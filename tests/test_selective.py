@@ -275,3 +275,14 @@ def test_time_limit_stops_refining_at_the_first_plan_that_fits():
     assert hurried.rounds <= unlimited.rounds
     assert math.isnan(hurried.solution.optimality_gap)  # the bound is one of the refinements skipped
     assert not math.isnan(unlimited.solution.optimality_gap)
+
+
+def test_a_selective_plan_that_does_not_fit_is_never_above_no_plan():
+    """Checkpointing these small layers keeps more (each segment's input) than it frees."""
+    from memplan.workload import Workload
+
+    layers = lambda: nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())))
+    workload = Workload("tanh-mlp", lambda batch_size=64: (layers(), (torch.randn(batch_size, 32),)), 64, {})
+    unplanned = estimate(workload, CONFIG, device="cpu")
+    plan = plan_selective(workload, CONFIG, 1, device="cpu").plan
+    assert not plan.feasible and plan.predicted_peak_bytes <= unplanned.peak_bytes
