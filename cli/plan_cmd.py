@@ -211,8 +211,9 @@ def plan_command(
 
 
 def _smallest_reached(plan) -> str:
-    """The lower of the returned plan's peak and the peak without checkpoints: a plan that does not fit can
-    come back above the unplanned step (its recomputation live at once), and "smallest" must not say so."""
+    """The lower of the returned plan's peak and the peak without checkpoints. The exact methods already
+    return no plan when that is lower; a baseline (--method every-block, ...) returns its own plan, which
+    can come back above the unplanned step, and "smallest" must not say so."""
     if plan.unplanned_peak_bytes < plan.predicted_peak_bytes:
         return f"{format_bytes(plan.unplanned_peak_bytes)}, with no checkpoints"
     return format_bytes(plan.predicted_peak_bytes)
