@@ -3,19 +3,22 @@
     python benchmarks/selective.py [--models gpt2,llama2-7b,gpt-d256] [--fracs 0.3,0.4,0.5,0.6,0.7]
                                    [--objective seconds] [--gpu h100] [--runs 10] [--threads 2] [--no-measure]
 
-Per model and budget: the selective plan's predicted peak (the estimator on the planned model), the
-peak `verify --device cpu` measures, and its recompute overhead as FLOPs %, roofline GPU time % (on
---gpu) and CPU step time %; the same three for the block-level optimal plan
-(memplan.planner.plan_checkpoints, which plan_selective gets as a baseline, so the plan it returns
-recomputes no more in FLOPs or GPU time); the op-level reference figures (simulated time overhead,
-measured by its authors with their own cost model); the planning time (all DP solves; a cold
-plan_selective call without baseline: estimator runs, the unplanned one included) and the DP's
-optimality gap over its policy families.
+Per model and budget, two selective plans, each priced on the processor it is for (memplan.timing):
+- GPU-priced (--gpu's roofline): its predicted peak (the estimator on the planned model), the peak
+  `verify --device cpu` measures, and its recompute overhead as FLOPs %, roofline GPU time % and CPU
+  step time %;
+- CPU-priced (the CPU time model, which counts host time per op and the selective policy's dispatch):
+  its measured peak, FLOPs %, modelled CPU % and measured CPU step time %;
+and the same for the block-level optimal plan (memplan.planner.plan_checkpoints, which both get as a
+baseline, so each returns a plan that costs no more on its processor); the op-level reference figures
+(simulated time overhead, measured by its authors with their own cost model); the planning time (all DP
+solves; a cold GPU-priced plan_selective call without baseline: estimator runs, the unplanned one
+included) and the DP's optimality gap over its policy families.
 
-CPU step time: one fp32 SGD step of the real model, --threads threads. The unplanned, selective and
-block-level models take turns, step by step (the order rotating each round), so that drift and other
-load on the machine hit all three alike; the overhead is the median over --runs rounds of each
-round's (planned / unplanned - 1), after one warm-up round.
+CPU step time: one fp32 SGD step of the real model, --threads threads. The unplanned and planned
+models take turns, step by step (the order rotating each round), so that drift and other load on the
+machine hit all alike; the overhead is the median over --runs rounds of each round's
+(planned / unplanned - 1), after one warm-up round. Plans with the same segments are one model, timed once.
 """
 
 from __future__ import annotations
@@ -55,27 +58,29 @@ def workloads(names: list[str], batch: int):
 
 def step_overheads(workload, config, plans, runs: int) -> list[float | None]:
     """CPU step-time overhead % of each plan (None: not measured) against the unplanned model: the
-    median over `runs` interleaved rounds of planned / unplanned - 1."""
+    median over `runs` interleaved rounds of planned / unplanned - 1. Plans with equal segments are timed once."""
     one = replace(config, steps=1)
+    distinct = list(dict.fromkeys(p.segments for p in plans if p is not None))
     steppers = []
-    for plan in (None, *plans):
+    for segments in ((), *distinct):
         torch.manual_seed(0)
         model, inputs = workload.build()
-        if plan is not None:
-            model = apply_plan(model, plan)
+        if segments:
+            model = apply_plan(model, next(p for p in plans if p is not None and p.segments == segments))
         steppers.append(prepare_step(model, inputs, config, "cpu"))
-    live = [0] + [i + 1 for i, plan in enumerate(plans) if plan is not None]
-    ratios: dict[int, list[float]] = {i: [] for i in live[1:]}
+    order = list(range(len(steppers)))
+    ratios: dict[int, list[float]] = {i: [] for i in order[1:]}
     for round_ in range(runs + 1):
         seconds = {}
-        for i in live[round_ % len(live) :] + live[: round_ % len(live)]:
+        for i in order[round_ % len(order) :] + order[: round_ % len(order)]:
             started = time.perf_counter()
             run_steps(steppers[i], one)
             seconds[i] = time.perf_counter() - started
         if round_ > 0:  # the first round warms up
-            for i in live[1:]:
+            for i in order[1:]:
                 ratios[i].append(seconds[i] / seconds[0] - 1)
-    return [100 * statistics.median(ratios[i + 1]) if plan is not None else None for i, plan in enumerate(plans)]
+    return [None if p is None else 100 * statistics.median(ratios[1 + distinct.index(p.segments)]) if p.segments
+            else 0.0 for p in plans]
 
 
 def main() -> None:
@@ -97,50 +102,66 @@ def main() -> None:
         unplanned, _ = cache.estimate(workload, config, "cpu")
         for frac in (float(f) for f in args.fracs.split(",")):
             budget = int(frac * unplanned.peak_bytes)
-            cold = plan_selective(workload, config, budget, device="cpu", objective=args.objective, gpu=args.gpu)
+            cold = plan_selective(workload, config, budget, device="cpu", objective=args.objective, processor=args.gpu)
             started = time.perf_counter()
             block = plan_checkpoints(workload, config, budget, device="cpu")
             block_seconds = time.perf_counter() - started
-            sel = plan_selective(
-                workload, config, budget, device="cpu", objective=args.objective, gpu=args.gpu, cache=cache,
-                baselines=(block.plan,),
-            )
-            for method, plan in (("selective", sel.plan), ("block-level", block.plan)):
+            on_gpu, on_cpu = (plan_selective(workload, config, budget, device="cpu", objective=args.objective,
+                                             processor=processor, cache=cache, baselines=(block.plan,))
+                              for processor in (args.gpu, "cpu"))
+            plans = {"GPU-priced": on_gpu.plan, "CPU-priced": on_cpu.plan, "block-level": block.plan}
+            for method, plan in plans.items():
                 if not plan.feasible:
                     infeasible.append(f"{name} {int(frac * 100)}%: {method} no fit (smallest peak reached "
                                       f"{plan.predicted_peak_bytes} > budget {budget})")
-            measured = cpu_sel = cpu_block = None
-            if not args.no_measure and sel.plan.feasible:
-                measured = measure(workload, config, device="cpu", plan=sel.plan).measured_peak_bytes
+            fitting = {method: plan if plan.feasible else None for method, plan in plans.items()}
+            measured = {method: None for method in plans}
+            cpu_pct = {method: None for method in plans}
             if not args.no_measure:
-                timed = [p if p.feasible else None for p in (sel.plan, block.plan)]
-                cpu_sel, cpu_block = step_overheads(workload, config, timed, args.runs)
+                for method, plan in fitting.items():
+                    if plan is not None and method != "block-level":
+                        measured[method] = measure(workload, config, device="cpu", plan=plan).measured_peak_bytes
+                cpu_pct = dict(zip(plans, step_overheads(workload, config, list(fitting.values()), args.runs)))
             block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu, cache)
+            block_cpu_model = plan_overhead(workload, config, block.plan, "cpu", "cpu", cache)[1]
 
-            def pct(value, ok=True):
-                return "-" if value is None or not ok else f"{value:.1f}"
-
-            ok_s, ok_b = sel.plan.feasible, block.plan.feasible
+            ok = {method: plan is not None for method, plan in fitting.items()}
             rows.append([
                 name, f"{int(frac * 100)}%", budget,
-                sel.plan.predicted_peak_bytes if ok_s else f"no fit ({sel.plan.predicted_peak_bytes})",
-                measured if measured is not None else "-",
-                "-" if measured is None else ("yes" if measured <= budget else "NO"),
-                pct(sel.flops_overhead_pct, ok_s), pct(sel.seconds_overhead_pct, ok_s), pct(cpu_sel, ok_s),
-                pct(block_flops, ok_b), pct(block_gpu, ok_b), pct(cpu_block, ok_b),
+                on_gpu.plan.predicted_peak_bytes if on_gpu.plan.feasible else f"no fit ({on_gpu.plan.predicted_peak_bytes})",
+                _peak(measured["GPU-priced"], budget), _pct(on_gpu.flops_overhead_pct, ok["GPU-priced"]),
+                _pct(on_gpu.seconds_overhead_pct, ok["GPU-priced"]), _pct(cpu_pct["GPU-priced"], ok["GPU-priced"]),
+                _peak(measured["CPU-priced"], budget), _pct(on_cpu.flops_overhead_pct, ok["CPU-priced"]),
+                _pct(on_cpu.seconds_overhead_pct, ok["CPU-priced"]), _pct(cpu_pct["CPU-priced"], ok["CPU-priced"]),
+                _pct(block_flops, ok["block-level"]), _pct(block_gpu, ok["block-level"]), _pct(block_cpu_model, ok["block-level"]),
+                _pct(cpu_pct["block-level"], ok["block-level"]),
                 OP_LEVEL_REFERENCE.get(frac, "-"),
-                f"{sel.solve_seconds:.2f}", f"{cold.plan_seconds:.1f}", cold.rounds, _gap(sel),
-                f"{block_seconds:.1f}",
-                " ".join(f"{s.modules[0]}:{'full' if s.policy == 'full' else len(s.saved_ops)}" for s in sel.plan.segments),
+                f"{on_gpu.solve_seconds:.2f}", f"{cold.plan_seconds:.1f}", cold.rounds, _gap(on_gpu),
+                f"{block_seconds:.1f}", _described(on_gpu.plan), _described(on_cpu.plan),
             ])
             print(*rows[-1], sep="\t", file=sys.stderr, flush=True)
-    headers = ["model", "budget", "budget B", "sel predicted B", "sel measured B", "meas<=budget",
-               "sel FLOPs%", "sel GPU%", "sel CPU%", "block FLOPs%", "block GPU%", "block CPU%", "op-level ref %",
-               "sel solve s", "sel plan s (cold)", "rounds", "DP gap", "block plan s", "segments (module:saved ops)"]
+    headers = ["model", "budget", "budget B",
+               "GPU-priced predicted B", "measured B <= budget", "FLOPs%", "GPU%", "CPU%",
+               "CPU-priced measured B <= budget", "FLOPs%", "CPU% model", "CPU%",
+               "block FLOPs%", "GPU%", "CPU% model", "CPU%", "op-level ref %",
+               "solve s", "plan s (cold)", "rounds", "DP gap", "block plan s",
+               "GPU-priced segments (module:saved ops)", "CPU-priced segments"]
     print(tabulate(rows, headers=headers))
     print("\nno fit:" if infeasible else "\nno fit: none")
     for line in infeasible:
         print("  " + line)
+
+
+def _pct(value: float | None, fits: bool) -> str:
+    return "-" if value is None or not fits else f"{value:.1f}"
+
+
+def _peak(measured: int | None, budget: int) -> str:
+    return "-" if measured is None else f"{measured} {'yes' if measured <= budget else 'NO'}"
+
+
+def _described(plan) -> str:
+    return " ".join(f"{s.modules[0]}:{'full' if s.policy == 'full' else len(s.saved_ops)}" for s in plan.segments)
 
 
 def _gap(result) -> str:

@@ -38,9 +38,10 @@ from cli.common import (
 from cli.estimate_cmd import DeviceOpt
 from memplan.errors import BadInput, DoesNotFit
 from memplan.plan import check_output_path, save_plan, write_atomically
-from memplan.planner import DEFAULT_GPU, alternatives, max_batch, plan_checkpoints
+from memplan.planner import alternatives, max_batch, plan_checkpoints
 from memplan.solvers import SOLVERS
 from memplan.step import StepConfig
+from memplan.timing import default_time_model, time_model
 from memplan.units import format_bytes
 from memplan.workload import Workload, parse_options, resolve_workload
 
@@ -116,7 +117,7 @@ def plan_command(
         if selective:
             from memplan.selective import plan_selective
 
-            result = plan_selective(workload, config, budget_bytes, device, gpu=card.name if card else DEFAULT_GPU,
+            result = plan_selective(workload, config, budget_bytes, device, processor=card and card.name,
                                     time_limit_s=SELECTIVE_TIME_LIMIT_S)
         else:
             result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name)
@@ -136,8 +137,8 @@ def plan_command(
     if plot:
         _plot_before_after(plot, workload, config, device, plan, budget_bytes, card, quiet)
     overhead = overhead_pct(plan.recompute_flops, plan.step_flops)
-    # A roofline lower bound: recomputation at the card's peak rate for this precision, no memory traffic.
     recompute_s = plan.recompute_seconds or 0.0
+    clock = time_model(default_time_model(device, card and card.name), precision)
     usable = report.usable_bytes(card) if card else None
     if as_json:
         print_json({
@@ -160,6 +161,7 @@ def plan_command(
             "step_flops": plan.step_flops,
             "recompute_overhead_pct": round(overhead, 3),
             "recompute_seconds": recompute_s,
+            "time_model": clock.name,
             "method": plan.method,
             "peak_floor_bytes": floor.peak_bytes,
             "peak_floor_op": floor.op,
@@ -189,8 +191,7 @@ def plan_command(
             row("with the plan", plan.predicted_peak_bytes, result.planned.peak_phase, overhead),
         ], headers=headers, colalign=("left", *["right"] * (len(headers) - 1))))
         typer.echo(f"memory saved: {format_bytes(plan.unplanned_peak_bytes - plan.predicted_peak_bytes)}")
-        typer.echo(f"recompute ≈ {1000 * recompute_s:.1f} ms per step on {card.name if card else DEFAULT_GPU} "
-                   f"(roofline over each op's FLOPs and bytes at peak {precision} rates: a lower bound)")
+        typer.echo(f"recompute ≈ {1000 * recompute_s:.1f} ms per step on {clock.description}")
         if card:
             typer.echo(gpu_line(card))
         for excluded in result.candidates.excluded:

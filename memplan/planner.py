@@ -17,20 +17,20 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from memplan.closed_loop import Candidate, ClosedLoop, Outcome
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.estimate import Estimate, estimate, estimate_and_trace, in_place_sums
-from memplan.gpus import gpu_spec, roofline_seconds
 from memplan.plan import Plan, Segment
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
+from memplan.timing import default_time_model, op_seconds, time_model
 from memplan.trace import ModuleCall, Op, Trace
 from memplan.workload import Workload
 
 CONTAINERS = ("ModuleList", "Sequential")
-DEFAULT_GPU = "h100"  # matches memplan.devices.DEFAULT_COMPUTE_CAPABILITY
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 6
 BASELINES = ("every-block", "sqrt-n", "uniform-k")
@@ -52,13 +52,13 @@ class Candidates:
 def candidate_blocks(
     trace: Trace,
     block_bytes: Callable[[int], int] = lambda n: n,
-    seconds_of: Callable[[int, int], float] = lambda flops, bytes_moved: 0.0,
+    seconds_of: Callable[[Op], float] = lambda op: 0.0,
     writers: dict[int, list[int]] | None = None,
 ) -> Candidates:
     """The chain of blocks to choose from, in forward order: the outermost children of nn.Sequential /
     nn.ModuleList containers (blocks called in a loop), and the model's direct children that hold none.
-    Cost-model numbers come from the first forward of the trace; `seconds_of(flops, bytes moved)` times
-    one op's recomputation (a roofline on the target GPU), summed over the block. `writers`:
+    Cost-model numbers come from the first forward of the trace; `seconds_of(op)` times
+    one op's recomputation (memplan.timing: the target's time model), summed over the block. `writers`:
     _writers(trace), where the caller has it already."""
     first_forward = [c for c in trace.calls if c.phase == "forward" and c.step == 0]
     calls_per_path = _calls_per_path(trace)
@@ -106,7 +106,7 @@ def candidate_blocks(
             # straight into the next (`x = block(x)`); otherwise it starts a run of its own
             chained = before is not None and parent(before.path) == parent(call.path) and _chained(before, call)
             group = blocks[-1].group if chained else f"{parent(call.path)}@{call.path}"
-        seconds = sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
+        seconds = sum(seconds_of(op) for op in ops)
         blocks.append(Block(call.path, _input_bytes(trace, call, block_bytes), saved, sum(op.flops for op in ops), seconds, group))
         previous = call
     return Candidates(tuple(blocks), tuple(excluded))
@@ -123,7 +123,7 @@ class NestedCandidates:
 def nested_candidates(
     trace: Trace,
     block_bytes: Callable[[int], int] = lambda n: n,
-    seconds_of: Callable[[int, int], float] = lambda flops, bytes_moved: 0.0,
+    seconds_of: Callable[[Op], float] = lambda op: 0.0,
     writers: dict[int, list[int]] | None = None,
 ) -> NestedCandidates:
     """Submodules at any depth: a module, or a run of consecutive siblings that their parent chains as
@@ -164,7 +164,7 @@ def nested_candidates(
 
     def saved_and_cost(ops: list[Op]) -> tuple[int, int, float]:
         saved = sum(activation_bytes(op.allocates) for op in ops)
-        return saved, sum(op.flops for op in ops), sum(seconds_of(op.flops, _bytes_moved(trace, op)) for op in ops)
+        return saved, sum(op.flops for op in ops), sum(seconds_of(op) for op in ops)
 
     leaves: list[Block] = []
     spans: dict[tuple[int, int], Span] = {}
@@ -273,17 +273,6 @@ def _calls_per_path(trace: Trace) -> dict[str, int]:
         if call.phase == "forward" and call.step == 0:
             counts[call.path] = counts.get(call.path, 0) + 1
     return counts
-
-
-def _bytes_moved(trace: Trace, op: Op) -> int:
-    """What one op reads and writes: its input storages and the storages it allocates."""
-    return sum(trace.storages[sid].nbytes for sid in (*op.reads, *op.allocates))
-
-
-def roofline(gpu: str | None, precision: str) -> Callable[[int, int], float]:
-    """Recompute time of one op on `gpu` (default: the CUDA model's default GPU, an H100)."""
-    spec = gpu_spec(gpu or DEFAULT_GPU)
-    return lambda flops, bytes_moved: roofline_seconds(flops, bytes_moved, spec, precision)
 
 
 def _mutated_after(
@@ -452,7 +441,8 @@ def plan_checkpoints(
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
     The result's plan has feasible=False, with the smallest peak reached, when none fits."""
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
-    block_bytes, seconds_of = device_model(device, gpu).block_bytes, roofline(gpu, config.precision)
+    block_bytes = device_model(device, gpu).block_bytes
+    seconds_of = partial(op_seconds, trace=trace, model=time_model(default_time_model(device, gpu), config.precision))
     writers = _writers(trace)
     candidates = candidate_blocks(trace, block_bytes, seconds_of, writers)
 

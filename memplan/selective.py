@@ -1,6 +1,7 @@
 """Selective recompute: per checkpointed block, choose which op calls' outputs to keep.
 
-    trace -> candidate blocks -> per block, the op calls of its forward (bytes, FLOPs, roofline seconds)
+    trace -> candidate blocks -> per block, the op calls of its forward (bytes, FLOPs, seconds on the target's
+    time model, memplan.timing)
     -> a Pareto family of save policies per block (a knapsack over the calls) -> a chain DP (multiple-
     choice knapsack with the transient of recomputing one segment at a time) -> Plan with "selective"
     segments -> re-estimate the planned model under fake tensors (closed loop) -> correct the model and
@@ -13,7 +14,9 @@ outputs from forward until the segment's backward, whether or not autograd needs
 input is kept; every other op of the segment's forward runs again in backward. A saved call is named
 "aten.addmm.default#2": the third call of addmm in one forward of the block, counting only the ops the
 runtime's policy sees (not SAC_IGNORED_OPS, such as detach); a plain "aten.addmm.default" keeps every
-call of it. Recomputation costs the ops not saved (views and in-place ops included).
+call of it. Recomputation costs the ops not saved (views and in-place ops included); on a processor
+whose time model counts host time (the CPU), a segment that keeps anything also pays the policy's
+per-op dispatch, in forward and in recomputation (memplan.timing).
 
 The memory model, per block j and policy P (bytes rounded as the device allocates them):
 
@@ -52,19 +55,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Setting
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.errors import BadInput
 from memplan.estimate import Estimate, estimate_and_trace
-from memplan.gpus import GpuSpec, gpu_spec, roofline_seconds
 from memplan.plan import Plan, Segment
 from memplan.planner import Candidates, Floor, candidate_blocks, peak_floor
 from memplan.solvers import Solution
 from memplan.step import StepConfig
-from memplan.trace import ModuleCall, Op, Trace
+from memplan.timing import (
+    POLICY_BLIND,
+    TimeModel,
+    checkpoint_seconds,
+    default_time_model,
+    op_seconds,
+    step_seconds,
+    time_model,
+)
+from memplan.trace import ModuleCall, Trace
 from memplan.workload import Workload
 
 OBJECTIVES = ("seconds", "flops")
@@ -73,21 +83,6 @@ BISECTION_ROUNDS = 3
 GRID = 32  # knapsack resolution: 1/GRID of a block's bytes, per byte dimension
 MAX_POLICIES = 24  # per block, after Pareto pruning (thinned evenly along held bytes beyond that)
 
-# ops the runtime's selective-checkpoint policy never sees, so they neither count nor can be kept
-_POLICY_BLIND = frozenset(str(op) for op in SAC_IGNORED_OPS)
-
-
-def op_seconds(op: Op, trace: Trace, gpu: GpuSpec, precision: str) -> float:
-    """Roofline time of one op: FLOPs at peak, bytes moved ≈ 2 x its output bytes (an in-place op: the
-    storage it writes)."""
-    out = sum(trace.storages[s].nbytes for s in op.allocates)
-    if not op.allocates and op.writes:
-        out = max(trace.storages[s].nbytes for s in op.writes)
-    return roofline_seconds(op.flops, 2 * out, gpu, precision)
-
-
-def step_seconds(trace: Trace, gpu: GpuSpec, precision: str, step: int = 0) -> float:
-    return sum(op_seconds(op, trace, gpu, precision) for op in trace.ops if op.step == step)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,6 +138,11 @@ class BlockProfile:
     def exclusions(self) -> tuple[tuple[str, str], ...]:
         return tuple((c.name, c.excluded) for c in self.calls if c.excluded)
 
+    @property
+    def full_seconds(self) -> float:
+        """What recomputing it whole costs: its ops, and checkpointing's host time where that counts."""
+        return next((p.seconds for p in self.policies if p.name == "full"), self.seconds)
+
     def block_level(self) -> BlockProfile:
         """The same block with only the block-level choices: kept or fully recomputed."""
         return replace(self, policies=tuple(p for p in self.policies if p.name in ("keep", "full")))
@@ -161,8 +161,8 @@ def _forward_end(trace: Trace, start: int) -> int:
     return end
 
 
-def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[int], int], gpu: GpuSpec,
-                  precision: str, objective: str = "seconds") -> BlockProfile:
+def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[int], int], clock: TimeModel,
+                  objective: str = "seconds") -> BlockProfile:
     call = _first_forward_call(trace, path)
     ops = trace.ops[call.first_op : call.end_op]
     allocated = {s for op in ops for s in op.allocates}
@@ -180,11 +180,11 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
             if s in allocated and s not in mutated and trace.storages[s].allocated_by < op.index:
                 mutated[s] = op.name
 
-    seconds = {op.index: op_seconds(op, trace, gpu, precision) for op in ops}
+    seconds = {op.index: op_seconds(op, trace, clock) for op in ops}
     calls_seen: dict[str, int] = {}
     calls = []
     for op in ops:
-        if op.name in _POLICY_BLIND:
+        if op.name in POLICY_BLIND:
             continue
         position = calls_seen.get(op.name, 0)
         calls_seen[op.name] = position + 1
@@ -204,6 +204,9 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     output_bytes = bb(outputs)
     transient_all = bb(activations - outputs)
 
+    # checkpointing the block costs host time beyond recomputing it, more with a policy that keeps anything
+    overhead = {selective: checkpoint_seconds(ops, trace, clock, selective) for selective in (False, True)}
+
     def policy(name: str, saved: Sequence[SavedCall]) -> Policy:
         return Policy(
             name=name,
@@ -211,7 +214,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
             contrib_bytes=output_bytes + sum(c.held_bytes for c in saved),
             transient_bytes=transient_all - sum(c.needed_bytes for c in saved),
             flops=total_flops - sum(c.flops for c in saved),
-            seconds=total_seconds - sum(c.seconds for c in saved),
+            seconds=total_seconds - sum(c.seconds for c in saved) + overhead[bool(saved)],
         )
 
     eligible = [c for c in calls if not c.excluded and (c.seconds > 0 or c.flops > 0)]
@@ -220,7 +223,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     subsets = _knapsack_subsets(priced, objective, max(1, -(-transient_all // GRID)))
     candidates = [policy(f"knapsack-{i}", free + chosen) for i, chosen in enumerate(subsets)]
     block_level = [Policy("keep", (), keep_bytes, 0, 0, 0.0, checkpointed=False),
-                   Policy("full", (), output_bytes, transient_all, total_flops, total_seconds)]
+                   Policy("full", (), output_bytes, transient_all, total_flops, total_seconds + overhead[False])]
     # keep and full stay (the block-level choices); the others only where neither beats them
     family = _pareto_policies(block_level + candidates, objective)
     policies = block_level + [p for p in family if p.saved_ops]
@@ -348,7 +351,7 @@ def _options(blocks: Sequence[BlockProfile], recompute_offset: int = 0) -> list[
             run = blocks[i : j + 1]
             everything = sum(b.activation_bytes for b in run)
             policy = Policy(f"full-run-{len(run)}", (), run[-1].output_bytes, everything - run[-1].output_bytes,
-                            sum(b.flops for b in run), sum(b.seconds for b in run))
+                            sum(b.flops for b in run), sum(b.full_seconds for b in run))
             here.append(option(policy, i, j + 1))
             j += 1
         options.append(here)
@@ -487,7 +490,7 @@ def _undominated(cost: np.ndarray, held: np.ndarray, peak: np.ndarray, forward: 
 @dataclass(frozen=True)
 class SelectiveResult:
     """As memplan.planner.PlanResult (plan, unplanned, planned, candidates, solution), plus the per-block
-    policies and op exclusions, and the recompute overhead in FLOPs and roofline seconds."""
+    policies and op exclusions, and the recompute overhead in FLOPs and seconds (memplan.timing)."""
 
     plan: Plan
     unplanned: Estimate
@@ -498,9 +501,9 @@ class SelectiveResult:
     blocks: tuple[BlockProfile, ...]
     exclusions: tuple[tuple[str, str, str], ...]  # (block, op call, why it is never saved)
     recompute_flops: int  # the estimator's: planned step FLOPs - unplanned step FLOPs
-    recompute_seconds: float  # roofline, planned trace - unplanned trace
-    step_seconds: float  # roofline seconds of the unplanned step
-    gpu: str
+    recompute_seconds: float  # planned trace - unplanned trace, plus the selective policies' host time
+    step_seconds: float  # seconds of the unplanned step
+    processor: str  # the time model that priced recomputation (memplan.timing)
     objective: str
     solve_seconds: float  # all DP solves together
     plan_seconds: float  # everything, estimator runs included
@@ -556,16 +559,26 @@ def _segments(blocks: Sequence[BlockProfile], solution: SelectiveSolution) -> tu
     return tuple(segments)
 
 
-def profile_blocks(trace: Trace, device: str, gpu: str, precision: str, objective: str = "seconds",
+def _checkpoint_seconds(trace: Trace, plan: Plan, clock: TimeModel) -> float:
+    """Host time the plan's segments add beyond recomputation (memplan.timing.checkpoint_seconds)."""
+    seconds = 0.0
+    for segment in plan.segments:
+        for path in segment.modules:
+            call = _first_forward_call(trace, path)
+            seconds += checkpoint_seconds(trace.ops[call.first_op : call.end_op], trace, clock,
+                                          segment.policy == "selective")
+    return seconds
+
+
+def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str = "seconds",
                    peak_event: int | None = None) -> tuple[Candidates, tuple[BlockProfile, ...]]:
     """The candidate blocks with their policies. `peak_event`: the unplanned peak's index in trace.events;
     the gradients allocated by then are in the fixed bytes already, so the blocks last in the chain
     (first in backward) allocate that much less."""
     block_bytes = device_model(device).block_bytes
     candidates = candidate_blocks(trace, block_bytes)
-    spec = gpu_spec(gpu)
     unique = list({b.path: b for b in candidates.blocks}.values())  # a path listed twice is one block
-    profiles = [profile_block(trace, b.path, b.group, block_bytes, spec, precision, objective) for b in unique]
+    profiles = [profile_block(trace, b.path, b.group, block_bytes, clock, objective) for b in unique]
     grads = _gradient_bytes(trace, [p.path for p in profiles], block_bytes)
     counted = 0 if peak_event is None else sum(
         block_bytes(trace.storages[e.storage].nbytes) for e in trace.events[: peak_event + 1]
@@ -655,14 +668,15 @@ def plan_selective(
     budget_bytes: int,
     device: str = "cuda",
     objective: str = "seconds",
-    gpu: str = "h100",
+    processor: str | None = None,
     headroom: float = 0.005,
     cache: EstimateCache | None = None,
     baselines: Sequence[Plan] = (),
     time_limit_s: float | None = None,
 ) -> SelectiveResult:
-    """The cheapest selective-recompute plan (by `objective`, "seconds" on `gpu` or "flops") whose
+    """The cheapest selective-recompute plan (by `objective`: "seconds" on `processor`, or "flops") whose
     re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits.
+    `processor`: a GPU name or "cpu" (memplan.timing); None: what `device` runs on (the CPU, or an H100).
     `headroom`: the plan must fit budget x (1 - headroom) by the estimator, a margin for its error against
     the real allocator (a few KiB on the CPU at tiny sizes). `baselines`: plans of other planners (e.g.
     memplan.planner.plan_checkpoints') re-estimated alongside; the plan returned recomputes no more than
@@ -674,16 +688,16 @@ def plan_selective(
     started = time.perf_counter()
     cache = cache or EstimateCache()
     target = budget_bytes - int(headroom * budget_bytes)
-    spec = gpu_spec(gpu)
+    clock = time_model(default_time_model(device, processor), config.precision)
     unplanned, trace = cache.estimate(workload, config, device)
     peak_event = unplanned.simulation.peak_event if unplanned.simulation is not None else None
-    candidates, blocks = profile_blocks(trace, device, gpu, config.precision, objective, peak_event)
+    candidates, blocks = profile_blocks(trace, device, clock, objective, peak_event)
     fixed = max(0, unplanned.peak_bytes - sum(b.activation_bytes for b in blocks))
     forward_peak = unplanned.phase_peaks.get("forward")
     forward_fixed = None if forward_peak is None else max(0, forward_peak - sum(b.activation_bytes for b in blocks))
     # the loss's temporaries at a backward peak are gone by the time the blocks are recomputed
     recompute_fixed = fixed - (unplanned.breakdown.temporaries if unplanned.peak_phase == "backward" else 0)
-    base_seconds = step_seconds(trace, spec, config.precision)
+    base_seconds = step_seconds(trace, clock)
     method = f"selective-dp ({objective})"
 
     residues: dict[str, int] = {}  # learnt from each re-estimated plan, per block checkpointed alone
@@ -692,7 +706,7 @@ def plan_selective(
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
         planned, planned_trace = cache.realise(workload, config, device, plan)
         residues.update(_forward_residues(planned_trace, plan, {b.path for b in blocks}, block_bytes))
-        seconds = max(0.0, step_seconds(planned_trace, spec, config.precision) - base_seconds)
+        seconds = max(0.0, step_seconds(planned_trace, clock) - base_seconds + _checkpoint_seconds(trace, plan, clock))
         plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                        recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
         return plan, planned
@@ -777,19 +791,21 @@ def plan_selective(
     return SelectiveResult(
         plan=best.plan, unplanned=unplanned, planned=best.planned, candidates=candidates, solution=compat,
         selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
-        recompute_seconds=seconds, step_seconds=base_seconds, gpu=spec.name, objective=objective,
+        recompute_seconds=seconds, step_seconds=base_seconds, processor=clock.name, objective=objective,
         solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(loop.realised),
         floor=peak_floor(trace, block_bytes))
 
 
 def plan_overhead(
-    workload: Workload, config: StepConfig, plan: Plan, device: str, gpu: str = "h100", cache: EstimateCache | None = None
+    workload: Workload, config: StepConfig, plan: Plan, device: str, processor: str | None = None,
+    cache: EstimateCache | None = None,
 ) -> tuple[float, float]:
-    """(FLOPs %, roofline seconds %) of any plan (e.g. the block-level planner's), from the estimator's traces."""
-    spec = gpu_spec(gpu)
+    """(FLOPs %, seconds % on `processor`) of any plan (e.g. the block-level planner's), from the estimator's
+    traces, as plan_selective prices them."""
+    clock = time_model(default_time_model(device, processor), config.precision)
     cache = cache or EstimateCache()
     unplanned, trace = cache.estimate(workload, config, device)
     planned, planned_trace = cache.realise(workload, config, device, plan)
-    base = step_seconds(trace, spec, config.precision)
-    extra = step_seconds(planned_trace, spec, config.precision) - base
+    base = step_seconds(trace, clock)
+    extra = step_seconds(planned_trace, clock) - base + _checkpoint_seconds(trace, plan, clock)
     return 100 * (planned.step_flops - unplanned.step_flops) / unplanned.step_flops, 100 * extra / base

@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -144,6 +145,8 @@ class Trace:
     calls: tuple[ModuleCall, ...]
     module_types: dict[str, str]  # path -> class name, for every submodule
     approximate_ops: tuple[str, ...]  # ops whose data-dependent results were assumed (see policy)
+    # op index -> tensors autograd saved for its backward (each passes the saved-tensor hooks once)
+    saved_tensors: dict[int, int] = field(default_factory=dict)
 
     def graph(self) -> nx.DiGraph:
         """Ops as nodes, an edge from the op that allocated a storage to each op that reads it."""
@@ -190,6 +193,7 @@ class _Recorder(TorchDispatchMode):
         self.approximate: list[str] = []
         # open F.linear calls: (bias storage, index of the first op inside the call)
         self.linear_calls: list[tuple[torch.UntypedStorage, int]] = []
+        self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
 
     # -- storages -------------------------------------------------------------------------------
 
@@ -557,6 +561,8 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             recorder.begin_phase(phase, step)
 
         def mark_saved(tensor: torch.Tensor) -> torch.Tensor:
+            if recorder.ops:  # autograd saves an op's tensors right after the op runs
+                recorder.saved_tensors[len(recorder.ops) - 1] += 1
             sid = recorder.ids.get(tensor.untyped_storage())
             if sid is not None and recorder.storages[sid]["role"] == "temporaries":
                 recorder.storages[sid]["role"] = "activations"
@@ -581,6 +587,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         calls=tuple(calls),
         module_types=module_types,
         approximate_ops=tuple(dict.fromkeys(recorder.approximate)),
+        saved_tensors=dict(recorder.saved_tensors),
     )
 
 

@@ -98,3 +98,18 @@ def test_every_memplan_precision_is_understood():
     for name in PRECISIONS:
         supports_precision(gpu_spec("a100-80gb"), name)
         peak_flops(gpu_spec("a100-80gb"), name)
+
+
+def test_time_models():
+    from memplan.timing import CPU, time_model
+
+    h100 = time_model("h100", "amp-bf16")
+    assert h100.seconds(989.5e12, 0) == pytest.approx(1.0)  # the roofline: the larger of the two times
+    assert h100.seconds(989.5e12, 3.35e12) == pytest.approx(1.0)
+    assert time_model("h100").seconds(67e12, 6.7e12) == roofline_seconds(67e12, 6.7e12, gpu_spec("h100"))
+    cpu = time_model("CPU")
+    assert cpu is CPU and cpu.serial
+    # on the CPU compute, memory and dispatch add up
+    assert cpu.seconds(int(cpu.flops_per_s), int(cpu.bytes_per_s)) == pytest.approx(2.0 + cpu.seconds_per_op)
+    with pytest.raises(BadInput, match="unknown GPU"):
+        time_model("tpu")

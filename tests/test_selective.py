@@ -21,11 +21,13 @@ from memplan.selective import (
     solve_selective_chain,
 )
 from memplan.step import StepConfig
+from memplan.timing import time_model
 from memplan.verify import measure
 from memplan.workload import Workload, resolve_workload
 from models import TINY_OVERRIDES, ZOO
 
 CONFIG = StepConfig(precision="fp32", optimizer="sgd", steps=2)
+GPU = "h100"  # priced on a GPU roofline: there selective plans pay off at these sizes (on the CPU, not)
 
 
 def _gpt(n_layer: int = 2, batch: int = 4) -> Workload:
@@ -73,7 +75,7 @@ def _copy(model: nn.Module) -> nn.Module:
 def test_planned_selective_gradients_equal_eager():
     workload = _gpt(n_layer=2)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
-    result = plan_selective(workload, CONFIG, int(0.7 * unplanned.peak_bytes), device="cpu")
+    result = plan_selective(workload, CONFIG, int(0.7 * unplanned.peak_bytes), device="cpu", processor=GPU)
     assert result.plan.feasible and any(s.policy == "selective" for s in result.plan.segments)
     torch.manual_seed(0)
     model, inputs = workload.build()
@@ -88,7 +90,7 @@ def test_selective_costs_no_more_than_block_level():
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.6 * unplanned.peak_bytes)
     block = plan_checkpoints(workload, CONFIG, budget, device="cpu")
-    selective = plan_selective(workload, CONFIG, budget, device="cpu", objective="flops")
+    selective = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU, objective="flops")
     assert block.plan.feasible and selective.plan.feasible
     assert selective.plan.recompute_flops <= block.plan.recompute_flops
     assert selective.solution.optimality_gap == 0.0
@@ -98,7 +100,7 @@ def test_predicted_and_measured_fit_the_budget():
     workload = _gpt(n_layer=3)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.7 * unplanned.peak_bytes)
-    result = plan_selective(workload, CONFIG, budget, device="cpu")
+    result = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU)
     assert result.plan.feasible
     assert result.plan.predicted_peak_bytes <= budget
     assert result.selective.states_explored > 0
@@ -143,7 +145,7 @@ def _saves(policy_or_segment, call: str) -> bool:
 def test_inplace_mutated_outputs_are_never_saved():
     workload = Workload("inplace", inplace_model, 8, {})
     _, trace = estimate_and_trace(workload, CONFIG, "cpu")
-    _, blocks = profile_blocks(trace, "cpu", "h100", "fp32")
+    _, blocks = profile_blocks(trace, "cpu", time_model("h100"))
     assert [b.path for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
     for block in blocks:
         reasons = dict(block.exclusions)
@@ -151,7 +153,7 @@ def test_inplace_mutated_outputs_are_never_saved():
         assert "aten.relu_.default" in reasons["aten.addmm.default#0"] and "aten.addmm.default#1" not in reasons
         assert not any(_saves(p, "aten.addmm.default#0") for p in block.policies)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
-    result = plan_selective(workload, CONFIG, int(0.9 * unplanned.peak_bytes), device="cpu")
+    result = plan_selective(workload, CONFIG, int(0.9 * unplanned.peak_bytes), device="cpu", processor=GPU)
     assert any(call == "aten.addmm.default#0" for _, call, _ in result.exclusions)
     assert not any(_saves(s, "aten.addmm.default#0") for s in result.plan.segments)
 
@@ -162,7 +164,7 @@ def test_inplace_mutated_outputs_are_never_saved():
 def test_call_positions_follow_the_forward():
     workload = _gpt(n_layer=2)
     _, trace = estimate_and_trace(workload, CONFIG, "cpu")
-    _, blocks = profile_blocks(trace, "cpu", "h100", "fp32")
+    _, blocks = profile_blocks(trace, "cpu", time_model("h100"))
     block = next(b for b in blocks if b.path == "h.1")
     modules = {c.name: c.module for c in block.calls}
     assert [modules[f"aten.addmm.default#{i}"] for i in range(4)] == [
@@ -174,7 +176,7 @@ def test_planned_call_level_plan_is_exact_and_measured_as_predicted():
     workload = _gpt(n_layer=3)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.6 * unplanned.peak_bytes)
-    result = plan_selective(workload, CONFIG, budget, device="cpu")
+    result = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU)
     saved = [name for s in result.plan.segments for name in s.saved_ops]
     assert result.plan.feasible and any("#" in name for name in saved), saved
     torch.manual_seed(0)
@@ -201,6 +203,24 @@ def test_never_worse_than_the_block_level_plan():
             assert result.plan.feasible
             assert result.plan.recompute_flops <= block.recompute_flops
             assert result.recompute_seconds <= block_seconds * (1 + 1e-9)
+
+
+def test_cpu_pricing_counts_the_policy_host_time():
+    """On the CPU, every op of a selective segment runs through the policy's Python dispatch, in forward
+    and in recomputation: at these sizes that costs more than keeping outputs saves, so the CPU-priced
+    plan recomputes whole segments where the same budget priced on a GPU roofline keeps outputs."""
+    workload = _gpt(n_layer=2)
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
+    budget = int(0.7 * unplanned.peak_bytes)
+    on_gpu = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU)
+    on_cpu = plan_selective(workload, CONFIG, budget, device="cpu")
+    assert on_cpu.processor == "cpu" and on_gpu.processor == "H100-80GB"
+    assert on_cpu.plan.feasible and any(s.policy == "selective" for s in on_gpu.plan.segments)
+    assert on_cpu.plan.segments and not any(s.policy == "selective" for s in on_cpu.plan.segments)
+    # priced on the CPU, the GPU's plan costs more than the CPU's, though it recomputes fewer FLOPs
+    assert on_gpu.plan.recompute_flops < on_cpu.plan.recompute_flops
+    cpu_pct_of_gpu_plan = plan_overhead(workload, CONFIG, on_gpu.plan, "cpu")[1]
+    assert cpu_pct_of_gpu_plan > on_cpu.seconds_overhead_pct
 
 
 # -- the solver on plain numbers -------------------------------------------------------------------
@@ -269,8 +289,8 @@ def test_time_limit_stops_refining_at_the_first_plan_that_fits():
     workload = _gpt(n_layer=3)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.6 * unplanned.peak_bytes)
-    unlimited = plan_selective(workload, CONFIG, budget, device="cpu")
-    hurried = plan_selective(workload, CONFIG, budget, device="cpu", time_limit_s=0.0)
+    unlimited = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU)
+    hurried = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU, time_limit_s=0.0)
     assert hurried.plan.feasible and hurried.plan.predicted_peak_bytes <= budget
     assert hurried.rounds <= unlimited.rounds
     assert math.isnan(hurried.solution.optimality_gap)  # the bound is one of the refinements skipped

@@ -1,0 +1,129 @@
+"""How long an op takes on the processor that runs the step: the time that prices recomputation.
+
+Two kinds of processor, one rule each:
+
+- a GPU: the roofline, its FLOPs at the card's peak rate for the precision or the bytes it moves at
+  the card's bandwidth, whichever takes longer (memplan.gpus). A lower bound: it leaves out the host's
+  kernel launches and dispatch, which overlap the device's work once ops are large enough.
+- the CPU: one thread of control runs everything, so compute, memory traffic and the host's dispatch
+  add up, and the host time that selective checkpointing's Python dispatch modes add per op of a
+  segment is part of the step. The constants were measured on the 2-core CI machine by
+  `python benchmarks/cpu_calibration.py` (benchmarks/results/cpu_calibration.txt); on another CPU they
+  are a model, not a measurement.
+
+A model's name is a GPU's (see memplan.gpus.GPUS) or "cpu".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+from memplan.gpus import gpu_spec, peak_flops
+from memplan.trace import Op, Trace
+
+DEFAULT_GPU = "h100"  # matches memplan.devices.DEFAULT_COMPUTE_CAPABILITY
+CPU_NAME = "cpu"
+# ops the runtime's selective-checkpoint policy never sees (detach, ...)
+POLICY_BLIND = frozenset(str(op) for op in SAC_IGNORED_OPS)
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    name: str
+    flops_per_s: float  # matmul rate for the precision
+    bytes_per_s: float
+    serial: bool  # compute, memory and host time add up (CPU); else the roofline's max (GPU)
+    seconds_per_op: float = 0.0  # host dispatch, per op (serial models only)
+    # torch.utils.checkpoint's host time: per tensor autograd saves inside a segment (its pack and unpack
+    # hooks), and per op of a selective segment's forward (the policy's dispatch modes, both passes)
+    checkpoint_seconds_per_saved_tensor: float = 0.0
+    selective_seconds_per_op: float = 0.0
+    # ops that compute far more per element than they move: seconds per byte of output (serial models only)
+    seconds_per_output_byte: Mapping[str, float] = field(default_factory=dict)
+
+    def seconds(self, flops: int, bytes_moved: int, op: str = "", output_bytes: int = 0) -> float:
+        compute, memory = flops / self.flops_per_s, bytes_moved / self.bytes_per_s
+        if not self.serial:
+            return max(compute, memory)
+        elementwise = max(memory, output_bytes * self.seconds_per_output_byte.get(op, 0.0))
+        return compute + elementwise + self.seconds_per_op
+
+    @property
+    def description(self) -> str:
+        if self.serial:
+            return (f"the CPU time model ({self.flops_per_s / 1e9:.0f} GFLOP/s, {self.bytes_per_s / 1e9:.0f} GB/s, "
+                    f"{1e6 * self.seconds_per_op:.0f} us per op, measured on a 2-core machine)")
+        return f"{self.name} (roofline over each op's FLOPs and bytes at peak rates: a lower bound)"
+
+
+# benchmarks/results/cpu_calibration.txt: 2 threads, fp32 (other precisions are priced alike)
+CPU = TimeModel(
+    CPU_NAME, flops_per_s=169e9, bytes_per_s=146e9, serial=True, seconds_per_op=2.9e-6,
+    checkpoint_seconds_per_saved_tensor=13e-6, selective_seconds_per_op=21e-6,
+    seconds_per_output_byte=MappingProxyType({
+        "aten.bernoulli_.float": 1.5e-9,
+        "aten.bernoulli_.Tensor": 1.5e-9,
+        "aten.native_dropout.default": 1.6e-9,
+        "aten.gelu.default": 6.5e-11,
+        "aten.silu.default": 5.3e-11,
+        "aten.sigmoid.default": 5.4e-11,
+        "aten.tanh.default": 3.4e-10,
+        "aten.exp.default": 1.4e-10,
+        "aten.erf.default": 1.7e-10,
+        "aten.rsqrt.default": 3.6e-11,
+        "aten._softmax.default": 8.2e-11,
+        "aten._safe_softmax.default": 2.8e-10,
+        "aten._log_softmax.default": 7.3e-11,
+        "aten.native_layer_norm.default": 1.4e-10,
+        "aten.where.self": 4.4e-10,
+    }),
+)
+
+
+def time_model(name: str, precision: str = "fp32") -> TimeModel:
+    """The CPU's model, or a GPU's roofline for `precision` (a GPU name as memplan.gpus.gpu_spec takes it)."""
+    if name.lower() == CPU_NAME:
+        return CPU
+    spec = gpu_spec(name)
+    return TimeModel(spec.name, peak_flops(spec, precision), spec.bandwidth_bytes_per_s, serial=False)
+
+
+def default_time_model(device: str, processor: str | None = None) -> str:
+    """`processor` where given, else what a step on `device` runs on: the CPU, or the default GPU."""
+    return processor or (CPU_NAME if device == "cpu" else DEFAULT_GPU)
+
+
+def bytes_moved(trace: Trace, op: Op) -> int:
+    """What one op reads and writes: its input storages and the storages it allocates; nothing for an
+    op that allocates and writes nothing (a view: it only makes new metadata)."""
+    if not op.allocates and not op.writes:
+        return 0
+    return sum(trace.storages[sid].nbytes for sid in (*op.reads, *op.allocates))
+
+
+def output_bytes(trace: Trace, op: Op) -> int:
+    """What the op produces: the storages it allocates, or for an in-place op, the largest it writes."""
+    if op.allocates:
+        return sum(trace.storages[sid].nbytes for sid in op.allocates)
+    return max((trace.storages[sid].nbytes for sid in op.writes), default=0)
+
+
+def op_seconds(op: Op, trace: Trace, model: TimeModel) -> float:
+    return model.seconds(op.flops, bytes_moved(trace, op), op.name, output_bytes(trace, op))
+
+
+def step_seconds(trace: Trace, model: TimeModel, step: int = 0) -> float:
+    """The modelled time of one traced step (its forward, backward and optimizer ops)."""
+    return sum(op_seconds(op, trace, model) for op in trace.ops if op.step == step)
+
+
+def checkpoint_seconds(ops: Sequence[Op], trace: Trace, model: TimeModel, selective: bool) -> float:
+    """Host time a checkpointed segment whose forward runs `ops` adds beyond recomputing them: the hooks
+    on every tensor autograd saves, and a selective policy's dispatch of every op it sees."""
+    saved = sum(trace.saved_tensors.get(op.index, 0) for op in ops)
+    seen = sum(op.name not in POLICY_BLIND for op in ops) if selective else 0
+    return saved * model.checkpoint_seconds_per_saved_tensor + seen * model.selective_seconds_per_op
