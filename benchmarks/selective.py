@@ -9,6 +9,7 @@ Per model and budget, two selective plans, each priced on the processor it is fo
   step time %;
 - CPU-priced (the CPU time model, which counts host time per op and the selective policy's dispatch):
   its measured peak, FLOPs %, modelled CPU % and measured CPU step time %;
+whether each plan's fp32 gradients equal eager's (dropout included, the same seed);
 and the same for the block-level optimal plan (memplan.planner.plan_checkpoints, which both get as a
 baseline, so each returns a plan that costs no more on its processor); the op-level reference figures
 (simulated time overhead, measured by its authors with their own cost model); the planning time (all DP
@@ -24,6 +25,7 @@ machine hit all alike; the overhead is the median over --runs rounds of each rou
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import sys
@@ -54,6 +56,21 @@ def workloads(names: list[str], batch: int):
             yield name, resolve_workload("gpt2", 8, GPT_D256)
         else:
             yield name, resolve_workload(name, batch, dict(TINY_OVERRIDES[name], n_layer=6))
+
+
+def gradients_equal_eager(workload, plan) -> bool:
+    """The planned model's fp32 gradients equal eager's, dropout masks drawn from the same seed."""
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    grads = []
+    for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
+        torch.manual_seed(123)
+        candidate.train()
+        candidate(*inputs).backward()
+        grads.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
+    eager, planned = grads
+    return eager.keys() == planned.keys() and all(
+        torch.allclose(planned[name], grad, rtol=1e-5, atol=1e-6) for name, grad in eager.items())
 
 
 def step_overheads(workload, config, plans, runs: int) -> list[float | None]:
@@ -122,6 +139,8 @@ def main() -> None:
                     if plan is not None and method != "block-level":
                         measured[method] = measure(workload, config, device="cpu", plan=plan).measured_peak_bytes
                 cpu_pct = dict(zip(plans, step_overheads(workload, config, list(fitting.values()), args.runs)))
+            grads = " ".join("-" if plan is None else "yes" if gradients_equal_eager(workload, plan) else "NO"
+                             for plan in fitting.values())
             block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu, cache)
             block_cpu_model = plan_overhead(workload, config, block.plan, "cpu", "cpu", cache)[1]
 
@@ -137,14 +156,14 @@ def main() -> None:
                 _pct(cpu_pct["block-level"], ok["block-level"]),
                 OP_LEVEL_REFERENCE.get(frac, "-"),
                 f"{on_gpu.solve_seconds:.2f}", f"{cold.plan_seconds:.1f}", cold.rounds, _gap(on_gpu),
-                f"{block_seconds:.1f}", _described(on_gpu.plan), _described(on_cpu.plan),
+                f"{block_seconds:.1f}", grads, _described(on_gpu.plan), _described(on_cpu.plan),
             ])
             print(*rows[-1], sep="\t", file=sys.stderr, flush=True)
     headers = ["model", "budget", "budget B",
                "GPU-priced predicted B", "measured B <= budget", "FLOPs%", "GPU%", "CPU%",
                "CPU-priced measured B <= budget", "FLOPs%", "CPU% model", "CPU%",
                "block FLOPs%", "GPU%", "CPU% model", "CPU%", "op-level ref %",
-               "solve s", "plan s (cold)", "rounds", "DP gap", "block plan s",
+               "solve s", "plan s (cold)", "rounds", "DP gap", "block plan s", "grads = eager (GPU, CPU, block)",
                "GPU-priced segments (module:saved ops)", "CPU-priced segments"]
     print(tabulate(rows, headers=headers))
     print("\nno fit:" if infeasible else "\nno fit: none")
