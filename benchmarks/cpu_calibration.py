@@ -10,10 +10,13 @@ Each the median of --runs timed calls after a warm-up, fp32:
   (random numbers, transcendental functions, normalisations), on a 4 MiB tensor: dropout's mask costs
   a hundred times an add on a CPU, so recomputing it is not cheap there;
 - host seconds per op: a chain of ops on a one-element tensor, whose kernels cost almost nothing;
-- host seconds selective checkpointing adds per op: the same chain in a segment that keeps every output
-  (create_selective_checkpoint_contexts), against the plain chain, forward and backward together.
-  torch.utils.checkpoint runs two Python dispatch modes over every op of such a segment: one caches kept
-  outputs in forward, the other replays them in backward; their cost is per op, not per byte.
+- host seconds a checkpoint adds per tensor autograd saves inside it (its pack and unpack hooks): a
+  chain of sin (each saves its input) checkpointed, against the plain chain and its recomputation;
+- host seconds selective checkpointing adds per op: a chain of ops that save nothing, in a segment that
+  keeps every output (create_selective_checkpoint_contexts), against the plain chain, forward and
+  backward together. torch.utils.checkpoint runs two Python dispatch modes over every op of such a
+  segment: one caches kept outputs in forward, the other replays them in backward; their cost is per
+  op, not per byte.
 """
 
 from __future__ import annotations
@@ -88,7 +91,13 @@ def compute_heavy_seconds_per_byte(runs: int) -> dict[str, float]:
 
 def chain(x: torch.Tensor) -> torch.Tensor:
     for _ in range(CHAIN_OPS):
-        x = x * 1.0001
+        x = x * 1.0001  # saves no tensor for backward
+    return x
+
+
+def saving_chain(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(CHAIN_OPS):
+        x = torch.sin(x)  # saves its input for backward
     return x
 
 
@@ -106,6 +115,14 @@ def step(kind: str) -> None:
         y = checkpoint(chain, x, use_reentrant=False,
                        context_fn=lambda: create_selective_checkpoint_contexts(keep_everything))
     y.sum().backward()
+
+
+def per_saved_tensor(runs: int) -> float:
+    x = torch.ones(1, requires_grad=True)
+    plain = median_seconds(lambda: saving_chain(x).sum().backward(), runs)
+    checkpointed = median_seconds(lambda: checkpoint(saving_chain, x, use_reentrant=False).sum().backward(), runs)
+    recompute = median_seconds(lambda: saving_chain(x), runs)
+    return (checkpointed - plain - recompute) / CHAIN_OPS
 
 
 def host_seconds(runs: int) -> tuple[float, float, float]:
@@ -137,6 +154,7 @@ def main() -> None:
         ["element-wise bytes/s", f"{elementwise_bytes_per_s(args.runs):.3g}"],
         ["host seconds per op", f"{per_op:.2g}"],
         ["plain checkpoint: added seconds per op", f"{checkpoint_per_op:.2g}"],
+        ["checkpoint: added seconds per saved tensor", f"{per_saved_tensor(args.runs):.2g}"],
         ["selective checkpoint: added seconds per op", f"{selective_per_op:.2g}"],
     ]
     rows += [[f"{name}: seconds per output byte", f"{value:.2g}"]

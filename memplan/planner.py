@@ -147,13 +147,7 @@ def nested_candidates(
     )
     writers = _writers(trace) if writers is None else writers
     unsafe = {c.path: _unsafe_reason(trace, writers, c, root.end_op) for c in inside}
-    position: dict[str, int] = {}  # each module's place among its parent's children, in registration order
-    children_seen: dict[str, int] = {}
-    for path in trace.module_types:  # named_modules order
-        parent = path.rpartition(".")[0]
-        if path:
-            position[path] = children_seen.get(parent, 0)
-            children_seen[parent] = position[path] + 1
+    position = _sibling_positions(trace)
 
     def activation_bytes(storages) -> int:
         return _activation_bytes(trace, storages, block_bytes)
@@ -218,6 +212,18 @@ def nested_candidates(
 
     visit(root, inside)
     return NestedCandidates(tuple(leaves), tuple(sorted(spans.values(), key=lambda s: (s.first, s.last))))
+
+
+def _sibling_positions(trace: Trace) -> dict[str, int]:
+    """Each module's place among its parent's children, in registration order (see _joins_run)."""
+    position: dict[str, int] = {}
+    children_seen: dict[str, int] = {}
+    for path in trace.module_types:  # named_modules order
+        parent = path.rpartition(".")[0]
+        if path:
+            position[path] = children_seen.get(parent, 0)
+            children_seen[parent] = position[path] + 1
+    return position
 
 
 def _joins_run(

@@ -35,14 +35,25 @@ The memory model, per block j and policy P (bytes rounded as the device allocate
 `fixed` is the unplanned peak less the blocks' activations; `recompute_fixed` that less the temporaries
 the peak holds (the loss's, gone by then); `forward_fixed` the same for the forward phase's peak. A run
 of consecutive blocks of one container may also be one fully recomputed segment, so every block-level
-plan is in this search space. The model is a model: the estimator's re-run on the planned model is the
+plan is in this search space.
+
+Sub-blocks: the chain's units are finer than the blocks. Under each block, its children (one level down)
+and the ops it runs outside them (residual adds, kept: only their "keep" policy) partition its forward;
+a child, or a run of children it chains (`attn(ln_1(x))`), is a segment with its own family of policies.
+A unit holds of its outputs only what the unplanned step holds for backward (attn's output, read by a
+residual add only, is freed in forward), so the units' kept bytes add up to the block's and `fixed` is
+the same for any mix of whole blocks and sub-blocks. The whole-block options stay, so the search space
+is a superset of the blocks'; the model misses more of what a small segment's backward holds (its
+output's gradient), which the closed loop corrects.
+
+The model is a model: the estimator's re-run on the planned model is the
 reported truth, and where a plan does not fit, the closed loop adds the excess to the fixed bytes of
 the phase that peaked.
 
 Optimality: a family is the Pareto set (held bytes, transient bytes, cost) of a 0/1 knapsack over the
 block's calls on a grid of 1/GRID of its bytes (at most MAX_POLICIES kept). Over the families, the chain
 DP is exact at a resolution of 1 byte; by default it merges states within room/1024 bytes and reports
-the gap to a proven lower bound (see solve_selective_chain).
+the gap to a proven lower bound (see solve_selective_chain), which widens with the units of the chain.
 
 Cached tensors mutated in place are excluded at plan time: a call whose output storage an op's schema
 says it writes later in the same forward (relu_, bernoulli_, the next block's +=) is never saved.
@@ -62,7 +73,18 @@ from memplan.emit import apply_plan
 from memplan.errors import BadInput
 from memplan.estimate import Estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
-from memplan.planner import Candidates, Floor, candidate_blocks, peak_floor
+from memplan.planner import (
+    Candidates,
+    Floor,
+    _calls_per_path,
+    _forward_passes,
+    _joins_run,
+    _sibling_positions,
+    _unsafe_reason,
+    _writers,
+    candidate_blocks,
+    peak_floor,
+)
 from memplan.solvers import Solution
 from memplan.step import StepConfig
 from memplan.timing import (
@@ -133,6 +155,8 @@ class BlockProfile:
     # bytes a checkpointed forward of it still holds when the forward ends, beyond its policy's
     # contrib (autocast's cached weight casts, ...): learnt from re-estimated plans, 0 until then
     forward_residue_bytes: int = 0
+    # finer segments under it (see SubBlock); () where the block is one unit of the chain
+    parts: tuple[SubBlock, ...] = ()
 
     @property
     def exclusions(self) -> tuple[tuple[str, str], ...]:
@@ -143,9 +167,33 @@ class BlockProfile:
         """What recomputing it whole costs: its ops, and checkpointing's host time where that counts."""
         return next((p.seconds for p in self.policies if p.name == "full"), self.seconds)
 
+    @property
+    def units(self) -> tuple[BlockProfile, ...]:
+        """What the chain DP steps over in this block: its finest parts in forward order, or itself."""
+        return tuple(p.profile for p in self.parts if p.first == p.last) or (self,)
+
+    def whole(self) -> BlockProfile:
+        """The same block without its sub-blocks: one unit, as the chain over whole blocks sees it."""
+        return replace(self, parts=())
+
     def block_level(self) -> BlockProfile:
         """The same block with only the block-level choices: kept or fully recomputed."""
-        return replace(self, policies=tuple(p for p in self.policies if p.name in ("keep", "full")))
+        return replace(self, policies=tuple(p for p in self.policies if p.name in ("keep", "full")), parts=())
+
+
+@dataclass(frozen=True)
+class SubBlock:
+    """A segment finer than its block: a child module (one level down), a run of children the block
+    chains (`attn(ln_1(x))`), or ops the block runs outside any child it may checkpoint (residual adds,
+    an unsafe child): those have only the "keep" policy. The parts with first == last partition the
+    block's forward, so their kept bytes add up to the block's and the fixed bytes stay the same."""
+
+    first: int  # index of its first unit among the block's units
+    last: int
+    modules: tuple[str, ...]  # what a checkpoint of it wraps; () for kept ops
+    first_op: int  # its ops in the trace: [first_op, end_op)
+    end_op: int
+    profile: BlockProfile
 
 
 def _first_forward_call(trace: Trace, path: str) -> ModuleCall:
@@ -162,12 +210,17 @@ def _forward_end(trace: Trace, start: int) -> int:
 
 
 def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[int], int], clock: TimeModel,
-                  objective: str = "seconds") -> BlockProfile:
+                  objective: str = "seconds", *, last: str | None = None,
+                  held_outputs: frozenset[int] | None = None) -> BlockProfile:
+    """`last`: profile the run of sibling modules from `path` to `last` as one segment. `held_outputs`:
+    count only these of its outputs as held until backward (None: all); a sub-block's output that
+    nothing saves (attn's, read by a residual add) is freed in forward, checkpointed or not."""
     call = _first_forward_call(trace, path)
-    ops = trace.ops[call.first_op : call.end_op]
+    tail = call if last is None else _first_forward_call(trace, last)
+    ops = trace.ops[call.first_op : tail.end_op]
     allocated = {s for op in ops for s in op.allocates}
     activations = {s for s in allocated if trace.storages[s].role == "activations"}
-    outputs = {s for s in call.outputs if s in allocated}
+    outputs = {s for s in tail.outputs if s in allocated and (held_outputs is None or s in held_outputs)}
 
     def bb(storages: set[int]) -> int:
         return sum(block_bytes(trace.storages[s].nbytes) for s in storages)
@@ -220,7 +273,10 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     eligible = [c for c in calls if not c.excluded and (c.seconds > 0 or c.flops > 0)]
     free = [c for c in eligible if c.held_bytes == 0]  # the block's own outputs: kept anyway
     priced = [c for c in eligible if c.held_bytes > 0]
-    subsets = _knapsack_subsets(priced, objective, max(1, -(-transient_all // GRID)))
+    # the grid: 1/GRID of the transient, coarser where the kept bytes that shrink no transient dwarf it (a
+    # sub-block that recreates little, as a norm): the table has a cell per quantum of those too
+    other = sum(c.held_bytes - c.needed_bytes for c in priced)
+    subsets = _knapsack_subsets(priced, objective, max(1, -(-transient_all // GRID), -(-other // (4 * GRID))))
     candidates = [policy(f"knapsack-{i}", free + chosen) for i, chosen in enumerate(subsets)]
     block_level = [Policy("keep", (), keep_bytes, 0, 0, 0.0, checkpointed=False),
                    Policy("full", (), output_bytes, transient_all, total_flops, total_seconds + overhead[False])]
@@ -295,16 +351,113 @@ def _pareto_policies(policies: Sequence[Policy], objective: str) -> list[Policy]
 
 
 # --------------------------------------------------------------------------------------------------
+# Sub-blocks: the segments one level under each block
+
+
+@dataclass(frozen=True)
+class _Safety:
+    """Whether a module, or a run of siblings, may be one segment: the rules of memplan.planner's
+    candidates (called once per forward, nothing it reads or returns mutated later in forward)."""
+
+    trace: Trace
+    writers: dict[int, list[int]]
+    forward_end: int
+    passes: int
+    calls_per_path: dict[str, int]
+    position: dict[str, int]
+
+    @classmethod
+    def of(cls, trace: Trace) -> _Safety:
+        forward_end = max((c.end_op for c in trace.calls if c.phase == "forward" and c.step == 0), default=0)
+        return cls(trace, _writers(trace), forward_end, _forward_passes(trace), _calls_per_path(trace),
+                   _sibling_positions(trace))
+
+    def once(self, call: ModuleCall) -> bool:
+        return self.calls_per_path[call.path] <= self.passes
+
+    def allows(self, head: ModuleCall, last: ModuleCall | None = None) -> bool:
+        return not _unsafe_reason(self.trace, self.writers, head, self.forward_end, last)
+
+
+def _child_calls(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
+    """The module calls directly inside `call` (one level down the call nesting), in order."""
+    inside = sorted((c for c in trace.calls if c.phase == "forward" and c.step == call.step and c.path != call.path
+                     and call.first_op <= c.first_op < c.end_op <= call.end_op), key=lambda c: (c.first_op, -c.end_op))
+    children: list[ModuleCall] = []
+    for c in inside:
+        if not children or c.first_op >= children[-1].end_op:
+            children.append(c)
+    return children
+
+
+def _kept_unit(trace: Trace, path: str, group: str, first_op: int, end_op: int, held: frozenset[int],
+               block_bytes: Callable[[int], int]) -> BlockProfile:
+    """Ops of a block that no sub-block segment covers: always kept, holding what they allocate for backward."""
+    ops = trace.ops[first_op:end_op]
+    keep = sum(block_bytes(trace.storages[s].nbytes) for op in ops for s in op.allocates if s in held)
+    return BlockProfile(path, group, (), (Policy("keep", (), keep, 0, 0, 0.0, checkpointed=False),), keep, 0,
+                        sum(op.flops for op in ops), 0.0)
+
+
+def _sub_blocks(trace: Trace, block: BlockProfile, safety: _Safety, activations: frozenset[int],
+                block_bytes: Callable[[int], int], profile: Callable[..., BlockProfile]) -> tuple[SubBlock, ...]:
+    """The units of `block` (its children and the ops between them) and the runs of children it chains;
+    () where it has a single unit. `activations`: the storages the unplanned step holds for backward;
+    with the block's outputs, what a unit holds of its own outputs. `profile(path, group, **kw)`:
+    profile_block on this trace."""
+    call = _first_forward_call(trace, block.path)
+    held = activations | frozenset(call.outputs)
+    pieces: list[tuple[int, int, ModuleCall | None]] = []  # (first op, end op, child or None for own ops)
+    at = call.first_op
+    for child in _child_calls(trace, call):
+        if child.first_op > at:
+            pieces.append((at, child.first_op, None))
+        pieces.append((child.first_op, child.end_op, child))
+        at = child.end_op
+    if at < call.end_op:
+        pieces.append((at, call.end_op, None))
+    if len(pieces) < 2:
+        return ()
+
+    def name(paths: Sequence[str]) -> str:
+        return "+".join(p.removeprefix(block.path + ".") for p in paths)
+
+    parts = []
+    for i, (first_op, end_op, child) in enumerate(pieces):
+        if child is not None and safety.once(child) and safety.allows(child):
+            unit = profile(child.path, f"{block.group}/{name([child.path])}", held_outputs=held)
+            parts.append(SubBlock(i, i, (child.path,), first_op, end_op, unit))
+        else:
+            path = child.path if child is not None else f"{block.path} (own ops {i})"
+            parts.append(SubBlock(i, i, (), first_op, end_op,
+                                  _kept_unit(trace, path, f"{block.group}/{i}", first_op, end_op, held, block_bytes)))
+    for start, (_, _, head) in enumerate(pieces):  # runs of 2+ children, each fed the previous one's output
+        for end in range(start + 1, len(pieces)):
+            previous, member = pieces[end - 1][2], pieces[end][2]
+            if head is None or member is None or not (safety.once(head) and safety.once(member)) \
+                    or not _joins_run(previous, member, head, safety.position):
+                break
+            if (start, end) != (0, len(pieces) - 1) and safety.allows(head, member):  # all of it: the block
+                paths = tuple(piece[2].path for piece in pieces[start : end + 1])
+                run = profile(head.path, f"{block.group}/{name(paths)}", last=member.path, held_outputs=held)
+                run = replace(run, path="+".join(paths))
+                parts.append(SubBlock(start, end, paths, head.first_op, member.end_op, run))
+    return tuple(parts)
+
+
+# --------------------------------------------------------------------------------------------------
 # The solver: an exact DP over the chain, Pareto-pruned
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One segment of the solution: blocks [first, last] with a policy (runs are always "full")."""
+    """One segment of the solution: units [first, last] of the chain (see BlockProfile.units) with a policy
+    (runs of blocks are always "full"), checkpointing `modules`."""
 
     first: int
     last: int
     policy: Policy
+    modules: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -322,39 +475,45 @@ class SelectiveSolution:
 
 @dataclass(frozen=True)
 class _Option:
-    end: int  # index after the option's last block
+    end: int  # index after the option's last unit
     policy: Policy
     backward_above: int  # in backward, bytes above Σ contrib while it is recomputed (transient, gradients)
     forward_held: int  # bytes it holds from its forward to the end of the forward phase
     allocated: int  # bytes its forward allocates before dropping what it does not hold
+    modules: tuple[str, ...]  # what its checkpoint wraps
 
 
 def _options(blocks: Sequence[BlockProfile], recompute_offset: int = 0) -> list[list[_Option]]:
-    """For each start index, its options: one block with any policy, or a run of 2+ consecutive blocks
-    of one group, fully recomputed. In backward, recomputing it adds its transient and the gradients
-    the backward of the blocks after it has allocated by then; in forward, a checkpointed block holds
-    its contrib and its forward residue until the forward ends."""
-    later_grads = np.cumsum([b.grad_bytes for b in blocks][::-1])[::-1].tolist() + [0]
+    """For each unit (see BlockProfile.units), the options starting there: a block with any policy, a
+    run of 2+ consecutive blocks of one group fully recomputed, or a sub-block with any policy. In
+    backward, recomputing it adds its transient and the gradients the backward of the units after it
+    has allocated by then; in forward, a checkpointed segment holds its contrib and its forward residue
+    until the forward ends."""
+    units = [u for b in blocks for u in b.units]
+    later_grads = np.cumsum([u.grad_bytes for u in units][::-1])[::-1].tolist() + [0]
+    starts = np.cumsum([0] + [len(b.units) for b in blocks]).tolist()
 
-    def option(policy: Policy, start: int, end: int) -> _Option:
-        run = blocks[start:end]
-        residue = sum(b.forward_residue_bytes for b in run) if policy.checkpointed else 0
+    def option(policy: Policy, start: int, end: int, members: Sequence[BlockProfile],
+               modules: tuple[str, ...]) -> _Option:
+        residue = sum(m.forward_residue_bytes for m in members) if policy.checkpointed else 0
         return _Option(end, policy, policy.transient_bytes + later_grads[end] + recompute_offset,
-                       policy.contrib_bytes + residue,
-                       sum(b.activation_bytes for b in run))
+                       policy.contrib_bytes + residue, sum(m.activation_bytes for m in members), modules)
 
-    options: list[list[_Option]] = []
+    options: list[list[_Option]] = [[] for _ in units]
     for i, block in enumerate(blocks):
-        here = [option(p, i, i + 1) for p in block.policies]
+        first = starts[i]
+        options[first] += [option(p, first, starts[i + 1], [block], (block.path,)) for p in block.policies]
+        for part in block.parts:
+            start, end = first + part.first, first + part.last + 1
+            options[start] += [option(p, start, end, [part.profile], part.modules) for p in part.profile.policies]
         j = i + 1
         while block.group and j < len(blocks) and blocks[j].group == block.group:
             run = blocks[i : j + 1]
             everything = sum(b.activation_bytes for b in run)
             policy = Policy(f"full-run-{len(run)}", (), run[-1].output_bytes, everything - run[-1].output_bytes,
                             sum(b.flops for b in run), sum(b.full_seconds for b in run))
-            here.append(option(policy, i, j + 1))
+            options[first].append(option(policy, first, starts[j + 1], run, tuple(b.path for b in run)))
             j += 1
-        options.append(here)
     return options
 
 
@@ -362,22 +521,24 @@ def solve_selective_chain(blocks: Sequence[BlockProfile], fixed_bytes: int, budg
                           objective: str = "seconds", resolution: int | None = None,
                           forward_fixed_bytes: int | None = None, recompute_fixed_bytes: int | None = None,
                           bound: bool = True) -> SelectiveSolution:
-    """The cheapest policy per block (and fully recomputed runs) whose modelled peak fits.
+    """The cheapest policy per block or sub-block (and fully recomputed runs of blocks) whose modelled
+    peak fits.
 
     `fixed_bytes` is what the backward peak holds besides the blocks' activations; `forward_fixed_bytes`
     the same for the forward phase's peak (None: the same), which holds more where e.g. autocast keeps
     its casts of the weights until the forward ends; `recompute_fixed_bytes` the same while blocks are
     recomputed later in backward (None: the same), less where the peak holds the loss's temporaries.
 
-    A DP over block boundaries; a state is (cost, held, peak-term, forward held): Σ contrib so far, the
-    largest Σ_{i<=j} contrib_i + (its backward bytes above, see _options) and Σ_{i<j} forward held_i +
-    allocated_j (+ the forward's fixed bytes less the backward's) so far, and Σ forward held so far. A state is dropped when it no longer fits, or when another
-    costs no more and is within `resolution` bytes in held and peak (default: 1/1024 of the room), which
-    bounds the states per boundary. With resolution 1 that is exact. Otherwise the dropped state's future
-    is open to its substitute with at most `resolution` more bytes per boundary, so the same DP with the
-    room widened by n x resolution costs no more than the optimum: a lower bound, and the gap reported
-    is (cost - bound) / cost (bound=False: not computed, nan). When nothing fits, the smallest modelled
-    peak is returned (feasible=False)."""
+    A DP over unit boundaries (BlockProfile.units); a state is (cost, held, peak-term, forward held): Σ
+    contrib so far, the largest Σ_{i<=j} contrib_i + (its backward bytes above, see _options) and
+    Σ_{i<j} forward held_i + allocated_j (+ the forward's fixed bytes less the backward's) so far, and Σ
+    forward held so far. A state is dropped when it no longer fits, or when another costs no more and is
+    within `resolution` bytes in held and peak (default: 1/1024 of the room), which bounds the states per
+    boundary. With resolution 1 that is exact. Otherwise the dropped state's future is open to its
+    substitute with at most `resolution` more bytes per boundary, so the same DP with the room widened by
+    n x resolution (n: the units) costs no more than the optimum: a lower bound, and the gap reported is
+    (cost - bound) / cost (bound=False: not computed, nan). When nothing fits, the smallest modelled peak
+    is returned (feasible=False)."""
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     started = time.perf_counter()
@@ -387,24 +548,25 @@ def solve_selective_chain(blocks: Sequence[BlockProfile], fixed_bytes: int, budg
     resolution = resolution or max(1, room // 1024)
     found = _chain_dp(options, room, objective, resolution, forward_offset)
     gap = 0.0
-    if found is None:
-        found = _chain_dp(options, None, objective, resolution, forward_offset)
+    if found is None:  # the smallest peak: on a grid of the bytes at stake, however small the room
+        found = _chain_dp(options, None, objective, max(resolution, sum(b.activation_bytes for b in blocks) // 1024),
+                          forward_offset)
         gap = float("nan")
     elif not bound:
         gap = float("nan")
     elif resolution > 1 and found[0] > 0:
-        bound = _chain_dp(options, room + len(blocks) * resolution, objective, resolution, forward_offset)
+        bound = _chain_dp(options, room + len(options) * resolution, objective, resolution, forward_offset)
         gap = max(0.0, (found[0] - bound[0]) / found[0])
     _, held, peak, path, explored = found
-    choices = tuple(Choice(start, end - 1, policy) for start, end, policy in path if policy.checkpointed)
+    choices = tuple(Choice(start, o.end - 1, o.policy, o.modules) for start, o in path if o.policy.checkpointed)
     modelled = fixed_bytes + max(held, peak)
     return SelectiveSolution(choices, modelled <= budget_bytes, modelled, sum(c.policy.flops for c in choices),
                              sum(c.policy.seconds for c in choices), time.perf_counter() - started, explored, gap)
 
 
 def _chain_dp(options: list[list[_Option]], room: int | None, objective: str, resolution: int,
-              forward_offset: int) -> tuple[float, int, int, list[tuple[int, int, Policy]], int] | None:
-    """(cost, held, peak, [(start, end, policy)], states explored) of the cheapest chain within `room`,
+              forward_offset: int) -> tuple[float, int, int, list[tuple[int, _Option]], int] | None:
+    """(cost, held, peak, [(start, option)], states explored) of the cheapest chain within `room`,
     None if none fits; room None: the smallest max(held, peak) instead, cheapest among those."""
     n = len(options)
     # per boundary: arrays cost, held, peak, forward held, and where each came from (boundary, state, option)
@@ -451,7 +613,7 @@ def _chain_dp(options: list[list[_Option]], room: int | None, objective: str, re
     while boundary > 0:
         back_i, back_s, back_o = frontiers[boundary][4:]
         start, previous, option = int(back_i[state]), int(back_s[state]), int(back_o[state])
-        path.append((start, boundary, options[start][option].policy))
+        path.append((start, options[start][option]))
         boundary, state = start, previous
     path.reverse()
     return float(cost[best]), int(held[best]), int(peak[best]), path, explored
@@ -548,15 +710,11 @@ class EstimateCache:
         return self.planned[key]
 
 
-def _segments(blocks: Sequence[BlockProfile], solution: SelectiveSolution) -> tuple[Segment, ...]:
-    segments = []
-    for choice in solution.choices:
-        paths = tuple(b.path for b in blocks[choice.first : choice.last + 1])
-        policy = choice.policy
-        segments.append(Segment(
-            paths, policy="selective" if policy.saved_ops else "full", saved_ops=policy.saved_ops,
-            activation_bytes=policy.contrib_bytes, recompute_flops=policy.flops))
-    return tuple(segments)
+def _segments(solution: SelectiveSolution) -> tuple[Segment, ...]:
+    return tuple(Segment(choice.modules, policy="selective" if choice.policy.saved_ops else "full",
+                         saved_ops=choice.policy.saved_ops, activation_bytes=choice.policy.contrib_bytes,
+                         recompute_flops=choice.policy.flops)
+                 for choice in solution.choices)
 
 
 def _checkpoint_seconds(trace: Trace, plan: Plan, clock: TimeModel) -> float:
@@ -572,49 +730,72 @@ def _checkpoint_seconds(trace: Trace, plan: Plan, clock: TimeModel) -> float:
 
 def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str = "seconds",
                    peak_event: int | None = None) -> tuple[Candidates, tuple[BlockProfile, ...]]:
-    """The candidate blocks with their policies. `peak_event`: the unplanned peak's index in trace.events;
-    the gradients allocated by then are in the fixed bytes already, so the blocks last in the chain
-    (first in backward) allocate that much less."""
+    """The candidate blocks with their policies and sub-blocks. `peak_event`: the unplanned peak's index in
+    trace.events; the gradients allocated by then are in the fixed bytes already, so the units last in
+    the chain (first in backward) allocate that much less."""
     block_bytes = device_model(device).block_bytes
     candidates = candidate_blocks(trace, block_bytes)
+    def profile(path: str, group: str, **kwargs) -> BlockProfile:
+        return profile_block(trace, path, group, block_bytes, clock, objective, **kwargs)
+
     unique = list({b.path: b for b in candidates.blocks}.values())  # a path listed twice is one block
-    profiles = [profile_block(trace, b.path, b.group, block_bytes, clock, objective) for b in unique]
-    grads = _gradient_bytes(trace, [p.path for p in profiles], block_bytes)
+    safety = _Safety.of(trace)
+    activations = frozenset(sid for sid, s in trace.storages.items() if s.role == "activations")
+    profiles = []
+    for b in unique:
+        block = profile(b.path, b.group)
+        profiles.append(replace(block, parts=_sub_blocks(trace, block, safety, activations, block_bytes, profile)))
+    ranges = [r for p in profiles for r in _unit_ranges(trace, p)]
+    grads = _gradient_bytes(trace, ranges, block_bytes)
     counted = 0 if peak_event is None else sum(
         block_bytes(trace.storages[e.storage].nbytes) for e in trace.events[: peak_event + 1]
         if e.kind == "alloc" and trace.storages[e.storage].role == "gradients"
         and trace.ops[e.op].step == trace.ops[trace.events[peak_event].op].step)
-    for profile in reversed(profiles):
-        taken = min(counted, grads[profile.path])
-        grads[profile.path] -= taken
+    for k in reversed(range(len(grads))):
+        taken = min(counted, grads[k])
+        grads[k] -= taken
         counted -= taken
-    return candidates, tuple(replace(p, grad_bytes=grads[p.path]) for p in profiles)
+    with_grads = []
+    for p in profiles:
+        mine, grads = grads[: len(p.units)], grads[len(p.units) :]
+        parts = tuple(replace(part, profile=replace(part.profile, grad_bytes=mine[part.first]))
+                      if part.first == part.last else part for part in p.parts)
+        with_grads.append(replace(p, grad_bytes=sum(mine), parts=parts))
+    return candidates, tuple(with_grads)
 
 
-def _gradient_bytes(trace: Trace, paths: Sequence[str], block_bytes: Callable[[int], int]) -> dict[str, int]:
-    """Per block, the bytes of the gradients of the weights its forward reads (a weight several blocks
-    read: the last, whose backward runs first), as gradients have their weights' size; all 0 when the
-    first step's backward allocates no gradients (they outlive the step: the peak counts them already)."""
+def _unit_ranges(trace: Trace, block: BlockProfile) -> list[tuple[int, int]]:
+    """The op ranges of the block's units, in forward order."""
+    if not block.parts:
+        call = _first_forward_call(trace, block.path)
+        return [(call.first_op, call.end_op)]
+    return [(p.first_op, p.end_op) for p in block.parts if p.first == p.last]
+
+
+def _gradient_bytes(trace: Trace, ranges: Sequence[tuple[int, int]], block_bytes: Callable[[int], int]) -> list[int]:
+    """Per unit (op range, in forward order), the bytes of the gradients of the weights its forward reads
+    (a weight several units read: the last, whose backward runs first), as gradients have their weights'
+    size; all 0 when the first step's backward allocates no gradients (they outlive the step: the peak
+    counts them already)."""
     fresh = any(s.role == "gradients" and s.allocated_by is not None and trace.ops[s.allocated_by].phase == "backward"
                 for s in trace.storages.values())
     if not fresh:
-        return dict.fromkeys(paths, 0)
-    owner: dict[int, str] = {}
-    for path in paths:  # forward order: a later reader takes the weight over
-        call = _first_forward_call(trace, path)
-        for op in trace.ops[call.first_op : call.end_op]:
+        return [0] * len(ranges)
+    owner: dict[int, int] = {}
+    for k, (first_op, end_op) in enumerate(ranges):  # forward order: a later reader takes the weight over
+        for op in trace.ops[first_op:end_op]:
             for s in op.reads:
                 if trace.storages[s].role == "weights":
-                    owner[s] = path
-    grads = dict.fromkeys(paths, 0)
-    for s, path in owner.items():
-        grads[path] += block_bytes(trace.storages[s].nbytes)
+                    owner[s] = k
+    grads = [0] * len(ranges)
+    for s, k in owner.items():
+        grads[k] += block_bytes(trace.storages[s].nbytes)
     return grads
 
 
 def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Callable[[int], int]) -> dict[str, int]:
-    """Per block that `plan` (re-estimated as `trace`) checkpoints alone, the bytes its forward still
-    holds when the forward phase ends, beyond what its policy keeps (Segment.activation_bytes)."""
+    """Per block or sub-block module that `plan` (re-estimated as `trace`) checkpoints alone, the bytes its
+    forward still holds when the forward phase ends, beyond what its policy keeps (Segment.activation_bytes)."""
     freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
     residues = {}
     for segment in plan.segments:
@@ -629,15 +810,24 @@ def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Ca
     return residues
 
 
+def _checkpointable_paths(blocks: Sequence[BlockProfile]) -> set[str]:
+    """The modules a segment may checkpoint alone: the blocks, and their sub-blocks of one module."""
+    return {b.path for b in blocks} | {p.modules[0] for b in blocks for p in b.parts if len(p.modules) == 1}
+
+
 def _with_residues(blocks: Sequence[BlockProfile], residues: dict[str, int]) -> list[BlockProfile]:
-    """The blocks with the forward residues learnt so far: a block's own, else the largest learnt for a
-    block of the same structure (group and bytes), else 0."""
+    """The blocks and sub-blocks with the forward residues learnt so far: one's own, else the largest
+    learnt for one of the same structure (group and bytes), else 0."""
     alike: dict[tuple, int] = {}
-    for b in blocks:
-        if b.path in residues:
-            key = (b.group, b.activation_bytes)
-            alike[key] = max(alike.get(key, 0), residues[b.path])
-    return [replace(b, forward_residue_bytes=residues.get(b.path, alike.get((b.group, b.activation_bytes), 0)))
+    for p in (p for b in blocks for p in (b, *(part.profile for part in b.parts))):
+        if p.path in residues:
+            key = (p.group, p.activation_bytes)
+            alike[key] = max(alike.get(key, 0), residues[p.path])
+
+    def learnt(p: BlockProfile) -> BlockProfile:
+        return replace(p, forward_residue_bytes=residues.get(p.path, alike.get((p.group, p.activation_bytes), 0)))
+
+    return [replace(learnt(b), parts=tuple(replace(part, profile=learnt(part.profile)) for part in b.parts))
             for b in blocks]
 
 
@@ -705,7 +895,7 @@ def plan_selective(
 
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
         planned, planned_trace = cache.realise(workload, config, device, plan)
-        residues.update(_forward_residues(planned_trace, plan, {b.path for b in blocks}, block_bytes))
+        residues.update(_forward_residues(planned_trace, plan, _checkpointable_paths(blocks), block_bytes))
         seconds = max(0.0, step_seconds(planned_trace, clock) - base_seconds + _checkpoint_seconds(trace, plan, clock))
         plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                        recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
@@ -732,7 +922,7 @@ def plan_selective(
             draft = Plan(
                 model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
                 optimizer=config.optimizer, grad_accum=config.grad_accum, device=device, method=method,
-                segments=_segments(blocks, solution), feasible=False, budget_bytes=budget_bytes,
+                segments=_segments(solution), feasible=False, budget_bytes=budget_bytes,
                 predicted_peak_bytes=0, unplanned_peak_bytes=unplanned.peak_bytes, recompute_flops=0,
                 step_flops=unplanned.step_flops, options=dict(workload.options))
             return Candidate(draft, solution.feasible, _Solved(solution, problem))
@@ -748,13 +938,21 @@ def plan_selective(
         backward, forward = margins
         return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
 
-    loop = ClosedLoop(solver(blocks), realise, tighten)
+    # The chain over whole blocks first, then the one over sub-blocks too: a superset of it, but the model
+    # misses more of what a sub-block's backward holds (its output's gradient, its backward's own), so its
+    # closed loop may end on a plan dearer than the whole blocks'; every plan that fits is a candidate.
+    loop = ClosedLoop(solver([b.whole() for b in blocks]), realise, tighten)
     tightened = loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
+    loops = [(loop, tightened)]
+    if in_time() and any(b.parts for b in blocks):
+        nested = replace(loop, solve=solver(blocks))  # shares loop.realised
+        loops.append((nested, nested.until_fits((0, 0), CLOSED_LOOP_ROUNDS)))
     if in_time():  # every block-level plan is a selective one too
-        block_level = replace(loop, solve=solver([b.block_level() for b in blocks]))  # shares loop.realised
+        block_level = replace(loop, solve=solver([b.block_level() for b in blocks]))
         block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
-    if tightened.fits and tightened.loose is not None:
-        loop.bisect(tightened.loose, tightened.setting, BISECTION_ROUNDS, in_time)
+    for chain, tight in loops:
+        if tight.fits and tight.loose is not None:
+            chain.bisect(tight.loose, tight.setting, BISECTION_ROUNDS, in_time)
     external = []
     for baseline in baselines:
         plan, planned = realise(replace(baseline, budget_bytes=budget_bytes))

@@ -93,7 +93,8 @@ def test_selective_costs_no_more_than_block_level():
     selective = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU, objective="flops")
     assert block.plan.feasible and selective.plan.feasible
     assert selective.plan.recompute_flops <= block.plan.recompute_flops
-    assert selective.solution.optimality_gap == 0.0
+    # the bound widens the room by a resolution per unit of the chain: with sub-blocks, a few % at most
+    assert 0.0 <= selective.solution.optimality_gap < 0.05
 
 
 def test_predicted_and_measured_fit_the_budget():
@@ -306,3 +307,61 @@ def test_a_selective_plan_that_does_not_fit_is_never_above_no_plan():
     unplanned = estimate(workload, CONFIG, device="cpu")
     plan = plan_selective(workload, CONFIG, 1, device="cpu").plan
     assert not plan.feasible and plan.predicted_peak_bytes <= unplanned.peak_bytes
+
+
+# -- sub-blocks: segments one level under the blocks -----------------------------------------------
+
+
+def test_sub_block_selective_segments_give_eager_gradients():
+    """A child with a saved-op policy, and a run of chained children (ln_2, mlp) whose call numbers
+    count over the whole run, as _keep_policy does for a multi-module segment."""
+    torch.manual_seed(0)
+    model, inputs = ZOO["gpt2"].build(2, **dict(TINY_OVERRIDES["gpt2"], n_layer=2))
+    planned = apply_plan(_copy(model), _plan((
+        Segment(("h.0.attn",), "selective", ("aten.addmm.default#0", "aten.bmm.default#1")),
+        Segment(("h.0.ln_2", "h.0.mlp"), "selective", ("aten.native_layer_norm.default", "aten.addmm.default#1")),
+        Segment(("h.1.ln_1", "h.1.attn"), "full"),
+    ), _gpt()))
+    eager, checkpointed = _grads(model, inputs), _grads(planned, inputs)
+    assert eager.keys() == checkpointed.keys()
+    for name in eager:
+        torch.testing.assert_close(checkpointed[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sub_blocks_partition_each_block():
+    workload = _gpt(n_layer=2)
+    _, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    _, blocks = profile_blocks(trace, "cpu", time_model("h100"))
+    block = next(b for b in blocks if b.path == "h.1")
+    # the children, and the residual adds as kept units: the fixed bytes hold for either chain
+    assert [u.path for u in block.units] == ["h.1.ln_1", "h.1.attn", "h.1 (own ops 2)", "h.1.ln_2", "h.1.mlp",
+                                             "h.1 (own ops 5)"]
+    assert sum(u.activation_bytes for u in block.units) == block.activation_bytes
+    assert sum(u.grad_bytes for u in block.units) == block.grad_bytes
+    runs = {p.modules for p in block.parts if p.last > p.first}
+    assert runs == {("h.1.ln_1", "h.1.attn"), ("h.1.ln_2", "h.1.mlp")}
+    # attn's output is read by a residual add only: freed in forward, so a checkpointed attn holds nothing
+    attn = next(u for u in block.units if u.path == "h.1.attn")
+    assert min(p.contrib_bytes for p in attn.policies) == 0
+
+
+def test_sub_blocks_reach_below_the_whole_block_chain():
+    """At a budget where the whole-block chain does no better than recomputing half-blocks (the block-level
+    planner's plan), the chain over sub-blocks is cheaper, and the plan it gives fits by the estimator."""
+    # wide enough that the blocks' activations, not the embeddings, make the peak
+    workload = resolve_workload("gpt2", 4, {"n_layer": 3, "n_embd": 128, "n_head": 4, "seq_len": 128,
+                                            "vocab_size": 256, "block_size": 128})
+    unplanned, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    budget = int(0.45 * unplanned.peak_bytes)
+    _, blocks = profile_blocks(trace, "cpu", time_model("h100"), "flops", unplanned.simulation.peak_event)
+    fixed = unplanned.peak_bytes - sum(b.activation_bytes for b in blocks)
+    whole = solve_selective_chain([b.whole() for b in blocks], fixed, budget, "flops")
+    nested = solve_selective_chain(blocks, fixed, budget, "flops")
+    assert nested.feasible and (not whole.feasible or nested.recompute_flops < whole.recompute_flops)
+
+    block = plan_checkpoints(workload, CONFIG, budget, device="cpu").plan
+    result = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU, baselines=(block,))
+    assert result.plan.feasible and result.plan.predicted_peak_bytes <= budget
+    assert result.selective is not None  # not the baseline: a plan of the selective chain
+    assert result.plan.recompute_flops < block.recompute_flops
+    assert any(len(s.modules) > 1 or s.modules[0].count(".") > 1 for s in result.plan.segments)  # a sub-block
