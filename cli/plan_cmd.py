@@ -41,7 +41,7 @@ from memplan.plan import check_output_path, save_plan, write_atomically
 from memplan.planner import alternatives, max_batch, plan_checkpoints
 from memplan.solvers import SOLVERS
 from memplan.step import StepConfig
-from memplan.timing import default_time_model, time_model
+from memplan.timing import time_model_for
 from memplan.units import format_bytes
 from memplan.workload import Workload, parse_options, resolve_workload
 
@@ -138,7 +138,7 @@ def plan_command(
         _plot_before_after(plot, workload, config, device, plan, budget_bytes, card, quiet)
     overhead = overhead_pct(plan.recompute_flops, plan.step_flops)
     recompute_s = plan.recompute_seconds or 0.0
-    clock = time_model(default_time_model(device, card and card.name), precision)
+    clock = time_model_for(device, card and card.name, precision)
     usable = report.usable_bytes(card) if card else None
     if as_json:
         print_json({

@@ -1,4 +1,4 @@
-"""GPUs memplan knows: memory, compute capability, peak throughput; and a roofline time estimate.
+"""GPUs memplan knows: memory, compute capability, peak throughput (memplan.timing prices ops with them).
 
 Throughput figures are the vendors' datasheet peaks for dense math (where NVIDIA quotes tensor-core figures
 "with sparsity" only, they are halved here). Where a card has no hardware path for a format (TF32 or bf16
@@ -135,13 +135,6 @@ def peak_flops(gpu: GpuSpec, precision: str) -> float:
         "bf16": gpu.bf16_flops,
     }[_math_format(precision)]
     return gpu.fp32_flops if rate is None else rate
-
-
-def roofline_seconds(flops: float, bytes_moved: float, gpu: GpuSpec, precision: str = "fp32") -> float:
-    """The roofline time: compute-bound or memory-bound, whichever takes longer, at peak rates."""
-    if flops < 0 or bytes_moved < 0:
-        raise BadInput("flops and bytes moved must be non-negative")
-    return max(flops / peak_flops(gpu, precision), bytes_moved / gpu.bandwidth_bytes_per_s)
 
 
 def supports_precision(gpu: GpuSpec, precision: str) -> str | None:

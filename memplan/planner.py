@@ -26,7 +26,7 @@ from memplan.estimate import Estimate, estimate, estimate_and_trace, in_place_su
 from memplan.plan import Plan, Segment
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
-from memplan.timing import default_time_model, op_seconds, time_model
+from memplan.timing import op_seconds, time_model_for
 from memplan.trace import ModuleCall, Op, Trace
 from memplan.workload import Workload
 
@@ -448,7 +448,7 @@ def plan_checkpoints(
     The result's plan has feasible=False, with the smallest peak reached, when none fits."""
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
     block_bytes = device_model(device, gpu).block_bytes
-    seconds_of = partial(op_seconds, trace=trace, model=time_model(default_time_model(device, gpu), config.precision))
+    seconds_of = partial(op_seconds, trace=trace, model=time_model_for(device, gpu, config.precision))
     writers = _writers(trace)
     candidates = candidate_blocks(trace, block_bytes, seconds_of, writers)
 

@@ -91,10 +91,9 @@ from memplan.timing import (
     POLICY_BLIND,
     TimeModel,
     checkpoint_seconds,
-    default_time_model,
     op_seconds,
     step_seconds,
-    time_model,
+    time_model_for,
 )
 from memplan.trace import ModuleCall, Trace
 from memplan.workload import Workload
@@ -663,7 +662,7 @@ class SelectiveResult:
     blocks: tuple[BlockProfile, ...]
     exclusions: tuple[tuple[str, str, str], ...]  # (block, op call, why it is never saved)
     recompute_flops: int  # the estimator's: planned step FLOPs - unplanned step FLOPs
-    recompute_seconds: float  # planned trace - unplanned trace, plus the selective policies' host time
+    recompute_seconds: float  # planned trace - unplanned trace, plus checkpointing's host time
     step_seconds: float  # seconds of the unplanned step
     processor: str  # the time model that priced recomputation (memplan.timing)
     objective: str
@@ -717,6 +716,12 @@ def _segments(solution: SelectiveSolution) -> tuple[Segment, ...]:
                  for choice in solution.choices)
 
 
+def _recompute_seconds(trace: Trace, planned_trace: Trace, plan: Plan, clock: TimeModel) -> float:
+    """What `plan` (re-estimated as `planned_trace`) adds to the step's time: its recomputed ops, and
+    checkpointing's own host time."""
+    return step_seconds(planned_trace, clock) - step_seconds(trace, clock) + _checkpoint_seconds(trace, plan, clock)
+
+
 def _checkpoint_seconds(trace: Trace, plan: Plan, clock: TimeModel) -> float:
     """Host time the plan's segments add beyond recomputation (memplan.timing.checkpoint_seconds)."""
     seconds = 0.0
@@ -735,6 +740,7 @@ def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str =
     the chain (first in backward) allocate that much less."""
     block_bytes = device_model(device).block_bytes
     candidates = candidate_blocks(trace, block_bytes)
+
     def profile(path: str, group: str, **kwargs) -> BlockProfile:
         return profile_block(trace, path, group, block_bytes, clock, objective, **kwargs)
 
@@ -878,7 +884,7 @@ def plan_selective(
     started = time.perf_counter()
     cache = cache or EstimateCache()
     target = budget_bytes - int(headroom * budget_bytes)
-    clock = time_model(default_time_model(device, processor), config.precision)
+    clock = time_model_for(device, processor, config.precision)
     unplanned, trace = cache.estimate(workload, config, device)
     peak_event = unplanned.simulation.peak_event if unplanned.simulation is not None else None
     candidates, blocks = profile_blocks(trace, device, clock, objective, peak_event)
@@ -896,7 +902,7 @@ def plan_selective(
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
         planned, planned_trace = cache.realise(workload, config, device, plan)
         residues.update(_forward_residues(planned_trace, plan, _checkpointable_paths(blocks), block_bytes))
-        seconds = max(0.0, step_seconds(planned_trace, clock) - base_seconds + _checkpoint_seconds(trace, plan, clock))
+        seconds = max(0.0, _recompute_seconds(trace, planned_trace, plan, clock))
         plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                        recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
         return plan, planned
@@ -1000,10 +1006,9 @@ def plan_overhead(
 ) -> tuple[float, float]:
     """(FLOPs %, seconds % on `processor`) of any plan (e.g. the block-level planner's), from the estimator's
     traces, as plan_selective prices them."""
-    clock = time_model(default_time_model(device, processor), config.precision)
+    clock = time_model_for(device, processor, config.precision)
     cache = cache or EstimateCache()
     unplanned, trace = cache.estimate(workload, config, device)
     planned, planned_trace = cache.realise(workload, config, device, plan)
-    base = step_seconds(trace, clock)
-    extra = step_seconds(planned_trace, clock) - base + _checkpoint_seconds(trace, plan, clock)
-    return 100 * (planned.step_flops - unplanned.step_flops) / unplanned.step_flops, 100 * extra / base
+    extra = _recompute_seconds(trace, planned_trace, plan, clock)
+    return 100 * (planned.step_flops - unplanned.step_flops) / unplanned.step_flops, 100 * extra / step_seconds(trace, clock)

@@ -22,6 +22,7 @@ from types import MappingProxyType
 
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from memplan.errors import BadInput
 from memplan.gpus import gpu_spec, peak_flops
 from memplan.trace import Op, Trace
 
@@ -45,7 +46,9 @@ class TimeModel:
     # ops that compute far more per element than they move: seconds per byte of output (serial models only)
     seconds_per_output_byte: Mapping[str, float] = field(default_factory=dict)
 
-    def seconds(self, flops: int, bytes_moved: int, op: str = "", output_bytes: int = 0) -> float:
+    def seconds(self, flops: float, bytes_moved: float, op: str = "", output_bytes: int = 0) -> float:
+        if flops < 0 or bytes_moved < 0:
+            raise BadInput("flops and bytes moved must be non-negative")
         compute, memory = flops / self.flops_per_s, bytes_moved / self.bytes_per_s
         if not self.serial:
             return max(compute, memory)
@@ -92,9 +95,10 @@ def time_model(name: str, precision: str = "fp32") -> TimeModel:
     return TimeModel(spec.name, peak_flops(spec, precision), spec.bandwidth_bytes_per_s, serial=False)
 
 
-def default_time_model(device: str, processor: str | None = None) -> str:
-    """`processor` where given, else what a step on `device` runs on: the CPU, or the default GPU."""
-    return processor or (CPU_NAME if device == "cpu" else DEFAULT_GPU)
+def time_model_for(device: str, processor: str | None = None, precision: str = "fp32") -> TimeModel:
+    """The model of `processor` where given, else of what a step on `device` runs on: the CPU, or the
+    default GPU."""
+    return time_model(processor or (CPU_NAME if device == "cpu" else DEFAULT_GPU), precision)
 
 
 def bytes_moved(trace: Trace, op: Op) -> int:

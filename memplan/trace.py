@@ -145,7 +145,8 @@ class Trace:
     calls: tuple[ModuleCall, ...]
     module_types: dict[str, str]  # path -> class name, for every submodule
     approximate_ops: tuple[str, ...]  # ops whose data-dependent results were assumed (see policy)
-    # op index -> tensors autograd saved for its backward (each passes the saved-tensor hooks once)
+    # op index -> tensors autograd saved (each passes the saved-tensor hooks once), counted at the op
+    # recorded last when they were saved: the op itself or a helper op it ran. Sum over op ranges.
     saved_tensors: dict[int, int] = field(default_factory=dict)
 
     def graph(self) -> nx.DiGraph:
@@ -561,7 +562,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             recorder.begin_phase(phase, step)
 
         def mark_saved(tensor: torch.Tensor) -> torch.Tensor:
-            if recorder.ops:  # autograd saves an op's tensors right after the op runs
+            if recorder.ops:  # autograd saves an op's tensors right after it runs: count them near it
                 recorder.saved_tensors[len(recorder.ops) - 1] += 1
             sid = recorder.ids.get(tensor.untyped_storage())
             if sid is not None and recorder.storages[sid]["role"] == "temporaries":

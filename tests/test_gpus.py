@@ -3,8 +3,9 @@
 import pytest
 
 from memplan.errors import BadInput
-from memplan.gpus import GPUS, GpuSpec, gpu_spec, peak_flops, roofline_seconds, supports_precision
+from memplan.gpus import GPUS, GpuSpec, gpu_spec, peak_flops, supports_precision
 from memplan.step import PRECISIONS
+from memplan.timing import CPU, time_model
 
 
 @pytest.mark.parametrize(
@@ -55,18 +56,17 @@ def test_unknown_gpu_names_close_matches():
 
 
 def test_roofline_compute_bound():
-    a100 = gpu_spec("a100-80gb")
     # 624 TFLOP of bf16 matmuls at 312 TFLOP/s = 2 s; moving 2039 GB at 2039 GB/s would take only 1 s
-    assert roofline_seconds(624e12, 2039e9, a100, "amp-bf16") == pytest.approx(2.0)
+    assert time_model("a100-80gb", "amp-bf16").seconds(624e12, 2039e9) == pytest.approx(2.0)
     # the same work in fp32: 624e12 / 19.5e12 = 32 s
-    assert roofline_seconds(624e12, 2039e9, a100, "fp32") == pytest.approx(32.0)
+    assert time_model("a100-80gb", "fp32").seconds(624e12, 2039e9) == pytest.approx(32.0)
 
 
 def test_roofline_bandwidth_bound():
-    h100 = gpu_spec("h100")
+    h100 = time_model("h100", "fp32")
     # 6.7 TB at 3.35 TB/s = 2 s; 67 TFLOP of fp32 would take 1 s
-    assert roofline_seconds(67e12, 6.7e12, h100, "fp32") == pytest.approx(2.0)
-    assert roofline_seconds(0, 0, h100) == 0.0
+    assert h100.seconds(67e12, 6.7e12) == pytest.approx(2.0)
+    assert h100.seconds(0, 0) == 0.0
 
 
 def test_formats_a_card_lacks_run_at_the_fp32_rate():
@@ -79,7 +79,7 @@ def test_formats_a_card_lacks_run_at_the_fp32_rate():
 
 def test_roofline_rejects_negative_work():
     with pytest.raises(BadInput):
-        roofline_seconds(-1, 0, gpu_spec("l4"))
+        time_model("l4").seconds(-1, 0)
 
 
 def test_precision_warnings():
@@ -101,12 +101,9 @@ def test_every_memplan_precision_is_understood():
 
 
 def test_time_models():
-    from memplan.timing import CPU, time_model
-
     h100 = time_model("h100", "amp-bf16")
     assert h100.seconds(989.5e12, 0) == pytest.approx(1.0)  # the roofline: the larger of the two times
     assert h100.seconds(989.5e12, 3.35e12) == pytest.approx(1.0)
-    assert time_model("h100").seconds(67e12, 6.7e12) == roofline_seconds(67e12, 6.7e12, gpu_spec("h100"))
     cpu = time_model("CPU")
     assert cpu is CPU and cpu.serial
     # on the CPU compute, memory and dispatch add up
