@@ -59,7 +59,7 @@ class TimeModel:
     def description(self) -> str:
         if self.serial:
             return (f"the CPU time model ({self.flops_per_s / 1e9:.0f} GFLOP/s, {self.bytes_per_s / 1e9:.0f} GB/s, "
-                    f"{1e6 * self.seconds_per_op:.0f} us per op, measured on a 2-core machine)")
+                    f"{1e6 * self.seconds_per_op:.1f} us per op, measured on a 2-core machine)")
         return f"{self.name} (roofline over each op's FLOPs and bytes at peak rates: a lower bound)"
 
 
