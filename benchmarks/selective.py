@@ -14,7 +14,8 @@ and the same for the block-level optimal plan (memplan.planner.plan_checkpoints,
 baseline, so each returns a plan that costs no more on its processor); the op-level reference figures
 (simulated time overhead, measured by its authors with their own cost model); the planning time (all DP
 solves; a cold GPU-priced plan_selective call without baseline: estimator runs, the unplanned one
-included) and the DP's optimality gap over its policy families.
+included; how many plans the estimator ran on and how many memplan.replay replayed) and the DP's
+optimality gap over its policy families.
 
 CPU step time: one fp32 SGD step of the real model, --threads threads. The unplanned and planned
 models take turns, step by step (the order rotating each round), so that drift and other load on the
@@ -155,7 +156,7 @@ def main() -> None:
                 _pct(block_flops, ok["block-level"]), _pct(block_gpu, ok["block-level"]), _pct(block_cpu_model, ok["block-level"]),
                 _pct(cpu_pct["block-level"], ok["block-level"]),
                 OP_LEVEL_REFERENCE.get(frac, "-"),
-                f"{on_gpu.solve_seconds:.2f}", f"{cold.plan_seconds:.1f}", cold.rounds, _gap(on_gpu),
+                f"{on_gpu.solve_seconds:.2f}", f"{cold.plan_seconds:.1f}", f"{cold.rounds}/{cold.replays}", _gap(on_gpu),
                 f"{block_seconds:.1f}", grads, _described(on_gpu.plan), _described(on_cpu.plan),
             ])
             print(*rows[-1], sep="\t", file=sys.stderr, flush=True)
@@ -163,7 +164,7 @@ def main() -> None:
                "GPU-priced predicted B", "measured B <= budget", "FLOPs%", "GPU%", "CPU%",
                "CPU-priced measured B <= budget", "FLOPs%", "CPU% model", "CPU%",
                "block FLOPs%", "GPU%", "CPU% model", "CPU%", "op-level ref %",
-               "solve s", "plan s (cold)", "rounds", "DP gap", "block plan s", "grads = eager (GPU, CPU, block)",
+               "solve s", "plan s (cold)", "estimator runs/replays", "DP gap", "block plan s", "grads = eager (GPU, CPU, block)",
                "GPU-priced segments (module:saved ops)", "CPU-priced segments"]
     print(tabulate(rows, headers=headers))
     print("\nno fit:" if infeasible else "\nno fit: none")

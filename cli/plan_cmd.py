@@ -66,9 +66,10 @@ MethodOpt = Annotated[
 ]
 
 
-# Past this, --selective stops refining at the first plan that fits: each refinement re-traces the step
-# (seconds for a 7B model), and a plan that fits within half a minute beats a slightly cheaper one later.
-SELECTIVE_TIME_LIMIT_S = 15.0
+# Past this, --selective stops refining its search (each chain solve takes a second for a 7B model) and
+# checks the best plan so far with the estimator (a re-trace: seconds for a 7B model); a plan that fits
+# within half a minute beats a slightly cheaper one later.
+SELECTIVE_TIME_LIMIT_S = 10.0
 # max-batch searches batch sizes up to this; a result equal to it means "at least".
 MAX_BATCH_LIMIT = 1 << 16
 

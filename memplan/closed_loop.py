@@ -1,4 +1,5 @@
-"""The closed loop both planners run (memplan.planner, memplan.selective): solve, re-estimate, tighten, bisect.
+"""The closed loop both planners run (memplan.planner, memplan.selective): solve, re-estimate (the selective
+planner: replay, memplan.replay), tighten, bisect.
 
 A solver chooses a plan by its cost model, which is only a model: the estimator, run on the model with
 the plan applied, says what the plan really peaks at. So a planner
@@ -17,7 +18,7 @@ keeps every one by its segments, in the order first seen.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -111,3 +112,32 @@ class ClosedLoop(Generic[S]):
             outcomes.append(outcome)
             loose, tight = (loose, middle) if outcome.plan.feasible else (middle, tight)
         return tuple(outcomes)
+
+
+def verified_search(
+    search: Callable[[int], Sequence[Outcome[S]]],
+    verify: Callable[[Plan], tuple[Plan, Estimate]],
+    cost: Callable[[Outcome[S]], float],
+    rounds: int,
+    in_time: Callable[[], bool] = lambda: True,
+) -> list[Outcome[S]]:
+    """Search over a fast model of the planned step (memplan.replay), then check with the estimator.
+
+    `search(correction)` runs the closed loops with `realise` replaying plans, their peaks raised by
+    `correction` bytes, and returns the outcomes; the cheapest that fits by them is `verify`-ed (the
+    estimator on the planned model). Where the estimator finds it over, the correction becomes at least
+    what the estimator found above the replay and the search runs again, at most `rounds` times, or
+    until `in_time()` is false. Returns the outcomes verified, in order."""
+    correction = 0
+    checked: dict[tuple[Segment, ...], Outcome[S]] = {}
+    for _ in range(rounds):
+        fitting = [o for o in search(correction) if o.plan.feasible and o.plan.segments not in checked]
+        if not fitting:
+            break
+        chosen = min(fitting, key=lambda o: (cost(o), o.planned.peak_bytes))
+        plan, planned = verify(chosen.plan)
+        checked[plan.segments] = Outcome(plan, planned, chosen.solution)
+        if plan.feasible or not in_time():
+            break
+        correction = max(correction + 1, planned.peak_bytes - chosen.planned.peak_bytes)
+    return list(checked.values())

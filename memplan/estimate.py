@@ -282,12 +282,18 @@ def estimate_and_trace(
     gpu: str | None = None,
 ) -> tuple[Estimate, Trace]:
     """`estimate`, and the trace it was made from (for the planner)."""
-    model = device_model(device, gpu)
     # Steps after the second repeat it exactly (same allocations, same order): tracing two is enough.
     traced = replace(config, steps=min(config.steps, TRACED_STEPS))
-    trace = trace_step(workload, traced, model.trace_rules(config), transform=transform)
-    sim = simulate(trace, model, with_timeline=with_timeline)
-    result = Estimate(
+    trace = trace_step(workload, traced, device_model(device, gpu).trace_rules(config), transform=transform)
+    return estimate_of_trace(workload, config, device, trace, with_timeline=with_timeline, gpu=gpu), trace
+
+
+def estimate_of_trace(workload: Workload, config: StepConfig, device: str, trace: Trace, *,
+                      with_timeline: bool = False, gpu: str | None = None, extra_flops: int = 0) -> Estimate:
+    """The estimate a traced step gives (or one rewritten from it, memplan.replay: `extra_flops` are the
+    ops it adds to step 0)."""
+    sim = simulate(trace, device_model(device, gpu), with_timeline=with_timeline)
+    return Estimate(
         model=workload.spec,
         precision=config.precision,
         optimizer=config.optimizer,
@@ -301,10 +307,9 @@ def estimate_and_trace(
         phase_peaks=sim.phase_peaks,
         first_step_peak_bytes=sim.first_step_peak_bytes,
         later_steps_peak_bytes=sim.later_steps_peak_bytes,
-        step_flops=sum(op.flops for op in trace.ops if op.step == 0),
+        step_flops=sum(op.flops for op in trace.ops if op.step == 0) + extra_flops,
         top_modules=sim.top_modules,
         approximate=bool(trace.approximate_ops),
         approximate_ops=trace.approximate_ops,
         simulation=sim,
     )
-    return result, trace

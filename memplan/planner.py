@@ -1,9 +1,11 @@
 """Plan activation checkpoints: the cheapest set of recompute segments whose step fits a budget.
 
     trace -> candidates (modules at every depth, runs of chained siblings, with cost-model numbers)
-    -> solver -> Plan -> re-estimate the checkpointed model under fake tensors
+    -> solver -> Plan -> replay it from the unplanned trace (memplan.replay)
     -> tighten and solve again if it does not fit; bisect for a cheaper plan that still fits
-       (the closed loop, memplan.closed_loop, which the selective planner runs too).
+       (the closed loop, memplan.closed_loop, which the selective planner runs too)
+    -> the estimator on the cheapest plan that fits by replay (re-traced under fake tensors); where it
+       does not fit, search again with the replays' peaks raised by the difference.
 
 The exact solvers search the nested candidates (`nested_candidates`); the baselines checkpoint the
 outermost blocks (`candidate_blocks`), as a user would.
@@ -19,11 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
-from memplan.closed_loop import Candidate, ClosedLoop, Outcome
+from memplan.closed_loop import Candidate, ClosedLoop, Outcome, verified_search
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.estimate import Estimate, estimate, estimate_and_trace, in_place_sums
 from memplan.plan import Plan, Segment
+from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
 from memplan.timing import op_seconds, time_model_for
@@ -32,7 +35,8 @@ from memplan.workload import Workload
 
 CONTAINERS = ("ModuleList", "Sequential")
 CLOSED_LOOP_ROUNDS = 8
-BISECTION_ROUNDS = 6
+BISECTION_ROUNDS = 12
+VERIFICATIONS = 4  # searches, each checked by the estimator (memplan.closed_loop.verified_search)
 BASELINES = ("every-block", "sqrt-n", "uniform-k")
 EXACT_METHODS = ("optimal-dp", "milp")  # these search modules at every depth; the baselines, the outermost blocks
 
@@ -445,7 +449,9 @@ def plan_checkpoints(
     gpu: str | None = None,
 ) -> PlanResult:
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
-    The result's plan has feasible=False, with the smallest peak reached, when none fits."""
+    The result's plan has feasible=False, with the smallest peak reached, when none fits. Plans are
+    searched by replay and checked by the estimator (memplan.closed_loop.verified_search); every
+    baseline that fits by replay is a candidate too."""
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
     block_bytes = device_model(device, gpu).block_bytes
     seconds_of = partial(op_seconds, trace=trace, model=time_model_for(device, gpu, config.precision))
@@ -473,38 +479,59 @@ def plan_checkpoints(
     def candidate(solution: Solution) -> Candidate[Solution]:
         return Candidate(_draft(workload, config, device, solution, budget_bytes, unplanned), solution.feasible, solution)
 
-    # The setting is the solver's budget, one number: lowered by what the estimator found over the budget.
-    loop = ClosedLoop(
-        solve=lambda setting: candidate(_solve(method, problem_at(setting[0]))),
-        realise=lambda draft: _re_estimate(workload, config, device, draft, unplanned, gpu),
-        tighten=lambda setting, over, scale: (setting[0] - scale * (over.planned.peak_bytes - budget_bytes),),
-    )
-    tightened = loop.until_fits((budget_bytes,), CLOSED_LOOP_ROUNDS)
-    # the plan that fits, else the lowest peak reached (the first of equals)
-    best = tightened.outcomes[-1] if tightened.fits else min(tightened.outcomes, key=lambda o: o.planned.peak_bytes)
-    if tightened.fits and best.plan.segments:
-        # The cost model is only a model: a looser solver budget may still give a plan that really
-        # fits, and costs less. Bisect between the solver budget whose plan fits and the last one
-        # whose plan did not (or the unplanned peak, where no checkpoint is needed).
-        loose = (unplanned.peak_bytes,) if tightened.loose is None else tightened.loose
-        bisected = loop.bisect(loose, tightened.setting, BISECTION_ROUNDS)
-        # the plan that fits and recomputes least (the first of equals)
-        best = min([best, *(o for o in bisected if o.plan.feasible)], key=lambda o: o.plan.recompute_flops)
-    if method in EXACT_METHODS and candidates.blocks:
-        # The cost model can be pessimistic where a baseline's real peak fits: never return a plan
-        # that recomputes more than a baseline the estimator shows fitting, and when nothing fits,
-        # report the lowest peak any of them reached.
-        for baseline in BASELINES:
-            solution = _solve(baseline, chain(budget_bytes))
-            outcome = loop.outcome(candidate(solution))
-            plan, planned = outcome.plan, outcome.planned
-            cheaper = plan.feasible and (not best.plan.feasible or plan.recompute_flops < best.plan.recompute_flops)
-            lower = not plan.feasible and not best.plan.feasible and planned.peak_bytes < best.planned.peak_bytes
-            if cheaper or lower:
-                best = Outcome(replace(plan, method=f"{method} (via {baseline})"), planned, solution)
-    if method in EXACT_METHODS and not best.plan.feasible and best.planned.peak_bytes > unplanned.peak_bytes:
-        # no plan reached below the step without checkpoints: that is the lowest
-        best = loop.outcome(candidate(_solve("none", chain(budget_bytes))))
+    timeline = Timeline(trace)
+    replayed: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}
+    correction = 0  # what the estimator found above a replayed peak, at most, so far
+
+    def realise_fast(draft: Plan) -> tuple[Plan, Estimate]:
+        """The draft replayed from the unplanned trace (memplan.replay), its peak raised by the correction."""
+        if draft.segments not in replayed:
+            planned, _ = estimate_replayed(workload, config, device, trace, draft, timeline, gpu)
+            replayed[draft.segments] = (replace(draft, predicted_peak_bytes=planned.peak_bytes,
+                                                recompute_flops=planned.step_flops - unplanned.step_flops), planned)
+        plan, planned = replayed[draft.segments]
+        return replace(plan, feasible=planned.peak_bytes + correction <= budget_bytes), planned
+
+    def search(margin: int) -> list[Outcome[Solution]]:
+        """The closed loop over plans replayed `margin` bytes higher. The setting is the solver's budget,
+        one number: lowered by what the replay found over the budget."""
+        nonlocal correction
+        correction = margin
+        loop = ClosedLoop(
+            solve=lambda setting: candidate(_solve(method, problem_at(setting[0]))),
+            realise=realise_fast,
+            tighten=lambda setting, over, scale: (setting[0] - scale * (over.planned.peak_bytes + correction - budget_bytes),),
+        )
+        tightened = loop.until_fits((budget_bytes - correction,), CLOSED_LOOP_ROUNDS)
+        if tightened.fits and tightened.outcomes[-1].plan.segments:
+            # The cost model is only a model: a looser solver budget may still give a plan that really
+            # fits, and costs less. Bisect between the solver budget whose plan fits and the last one
+            # whose plan did not (or the unplanned peak, where no checkpoint is needed).
+            loose = (unplanned.peak_bytes,) if tightened.loose is None else tightened.loose
+            loop.bisect(loose, tightened.setting, BISECTION_ROUNDS)
+        if method in EXACT_METHODS and candidates.blocks:
+            # The cost model can be pessimistic where a baseline's plan fits: every baseline is a candidate.
+            for baseline in BASELINES:
+                loop.outcome(candidate(_solve(baseline, chain(budget_bytes))))
+        searched.update(loop.realised)
+        return list(loop.realised.values())
+
+    searched: dict[tuple[Segment, ...], Outcome[Solution]] = {}
+    checked = verified_search(search, lambda draft: _re_estimate(workload, config, device, draft, unplanned, gpu),
+                              lambda o: float(o.plan.recompute_flops), VERIFICATIONS)
+    fitting = [o for o in checked if o.plan.feasible]
+    if fitting:
+        best = fitting[-1]
+    else:  # the lowest peak any plan reached (the first of equals), as the estimator sees it
+        lowest = min(searched.values(), key=lambda o: o.planned.peak_bytes)
+        best = min([*checked, Outcome(*_re_estimate(workload, config, device, lowest.plan, unplanned, gpu), lowest.solution)],
+                   key=lambda o: o.planned.peak_bytes)
+        if method in EXACT_METHODS and best.planned.peak_bytes > unplanned.peak_bytes:
+            # no plan reached below the step without checkpoints: that is the lowest
+            none = candidate(_solve("none", chain(budget_bytes)))
+            best = Outcome(*_re_estimate(workload, config, device, none.draft, unplanned, gpu), none.solution)
+    if best.plan.method != method and best.plan.method in BASELINES:
+        best = replace(best, plan=replace(best.plan, method=f"{method} (via {best.plan.method})"))
     return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, block_bytes))
 
 

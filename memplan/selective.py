@@ -67,7 +67,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Setting
+from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Setting, verified_search
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.errors import BadInput
@@ -85,6 +85,7 @@ from memplan.planner import (
     candidate_blocks,
     peak_floor,
 )
+from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import Solution
 from memplan.step import StepConfig
 from memplan.timing import (
@@ -101,6 +102,7 @@ from memplan.workload import Workload
 OBJECTIVES = ("seconds", "flops")
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 3
+VERIFICATIONS = 4  # searches, each checked by the estimator (memplan.closed_loop.verified_search)
 GRID = 32  # knapsack resolution: 1/GRID of a block's bytes, per byte dimension
 MAX_POLICIES = 24  # per block, after Pareto pruning (thinned evenly along held bytes beyond that)
 
@@ -259,10 +261,12 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     # checkpointing the block costs host time beyond recomputing it, more with a policy that keeps anything
     overhead = {selective: checkpoint_seconds(ops, trace, clock, selective) for selective in (False, True)}
 
+    order = {c.name: i for i, c in enumerate(calls)}
+
     def policy(name: str, saved: Sequence[SavedCall]) -> Policy:
         return Policy(
             name=name,
-            saved_ops=_saved_names(saved, calls, calls_seen),
+            saved_ops=tuple(c.name for c in saved),  # named as the policy runtime counts them below
             contrib_bytes=output_bytes + sum(c.held_bytes for c in saved),
             transient_bytes=transient_all - sum(c.needed_bytes for c in saved),
             flops=total_flops - sum(c.flops for c in saved),
@@ -281,19 +285,20 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
                    Policy("full", (), output_bytes, transient_all, total_flops, total_seconds + overhead[False])]
     # keep and full stay (the block-level choices); the others only where neither beats them
     family = _pareto_policies(block_level + candidates, objective)
-    policies = block_level + [p for p in family if p.saved_ops]
+    by_name = {c.name: c for c in calls}
+    policies = block_level + [replace(p, saved_ops=_saved_names([by_name[n] for n in p.saved_ops], order, calls_seen))
+                              for p in family if p.saved_ops]
     return BlockProfile(path, group, tuple(calls), tuple(policies), keep_bytes, output_bytes, total_flops,
                         total_seconds)
 
 
-def _saved_names(saved: Sequence[SavedCall], calls: Sequence[SavedCall], calls_per_op: dict[str, int]) -> tuple[str, ...]:
-    """Call names in forward order; an op whose every call is kept is named once, without '#'."""
-    chosen = {c.name for c in saved}
-    kept_per_op = Counter(c.op for c in calls if c.name in chosen)
+def _saved_names(saved: Sequence[SavedCall], order: dict[str, int], calls_per_op: dict[str, int]) -> tuple[str, ...]:
+    """Call names in forward order (`order`: call name -> its place); an op whose every call is kept is
+    named once, without '#'."""
+    chosen = sorted(saved, key=lambda c: order[c.name])
+    kept_per_op = Counter(c.op for c in chosen)
     names: list[str] = []
-    for call in calls:
-        if call.name not in chosen:
-            continue
+    for call in chosen:
         if kept_per_op[call.op] < calls_per_op[call.op]:
             names.append(call.name)
         elif call.op not in names:
@@ -668,7 +673,8 @@ class SelectiveResult:
     objective: str
     solve_seconds: float  # all DP solves together
     plan_seconds: float  # everything, estimator runs included
-    rounds: int  # plans re-estimated
+    rounds: int  # plans the estimator ran on
+    replays: int  # plans replayed from the unplanned trace (memplan.replay)
     floor: Floor  # a peak no checkpoint plan goes below
 
     @property
@@ -898,14 +904,35 @@ def plan_selective(
 
     residues: dict[str, int] = {}  # learnt from each re-estimated plan, per block checkpointed alone
     block_bytes = device_model(device).block_bytes
+    estimated: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans the estimator ran on
+    replayed: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans memplan.replay rewrote
+    timeline = Timeline(trace)
+    correction = 0  # what the estimator found above a replayed peak, at most, so far
 
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
-        planned, planned_trace = cache.realise(workload, config, device, plan)
-        residues.update(_forward_residues(planned_trace, plan, _checkpointable_paths(blocks), block_bytes))
-        seconds = max(0.0, _recompute_seconds(trace, planned_trace, plan, clock))
-        plan = replace(plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
-                       recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds)
-        return plan, planned
+        """The estimator on the planned model: the truth every plan returned is judged by."""
+        if plan.segments not in estimated:
+            planned, planned_trace = cache.realise(workload, config, device, plan)
+            residues.update(_forward_residues(planned_trace, plan, _checkpointable_paths(blocks), block_bytes))
+            seconds = max(0.0, _recompute_seconds(trace, planned_trace, plan, clock))
+            estimated[plan.segments] = (replace(
+                plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
+                recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds), planned)
+        return estimated[plan.segments]
+
+    def realise_fast(plan: Plan) -> tuple[Plan, Estimate]:
+        """The plan replayed from the unplanned trace (memplan.replay), its peak raised by the correction
+        learnt so far; the estimator's figures where it has run on the plan."""
+        if plan.segments in estimated:
+            return estimated[plan.segments]
+        if plan.segments not in replayed:
+            planned, again = estimate_replayed(workload, config, device, trace, plan, timeline)
+            seconds = sum(op_seconds(op, trace, clock) for op in again) + _checkpoint_seconds(trace, plan, clock)
+            replayed[plan.segments] = (replace(plan, predicted_peak_bytes=planned.peak_bytes,
+                                               recompute_flops=planned.step_flops - unplanned.step_flops,
+                                               recompute_seconds=seconds), planned)
+        plan, planned = replayed[plan.segments]
+        return replace(plan, feasible=planned.peak_bytes + correction <= target), planned
 
     def cost(r: Outcome) -> float:
         return r.plan.recompute_seconds if objective == "seconds" else float(r.plan.recompute_flops)
@@ -923,7 +950,7 @@ def plan_selective(
             backward, forward = margins
             problem = _Problem(_with_residues(chain, residues), fixed + backward,
                                (fixed if forward_fixed is None else forward_fixed) + forward, recompute_fixed + backward)
-            solution = problem.solve(target, objective, bound=False)
+            solution = problem.solve(target - correction, objective, bound=False)
             solve_seconds += solution.solve_seconds
             draft = Plan(
                 model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
@@ -936,46 +963,57 @@ def plan_selective(
         return solve
 
     def tighten(margins: Setting, over: Outcome, scale: int) -> Setting | None:
-        """Add what the estimator found over the target to the fixed bytes of the phase that peaked."""
+        """Add what the replay found over the target to the fixed bytes of the phase that peaked."""
         phase = over.planned.peak_phase
         if phase not in ("forward", "backward"):
             return None
-        excess = scale * max(1, over.planned.peak_bytes - target)
+        excess = scale * max(1, over.planned.peak_bytes + correction - target)
         backward, forward = margins
         return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
 
-    # The chain over whole blocks first, then the one over sub-blocks too: a superset of it, but the model
-    # misses more of what a sub-block's backward holds (its output's gradient, its backward's own), so its
-    # closed loop may end on a plan dearer than the whole blocks'; every plan that fits is a candidate.
-    loop = ClosedLoop(solver([b.whole() for b in blocks]), realise, tighten)
-    tightened = loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
-    loops = [(loop, tightened)]
-    if in_time() and any(b.parts for b in blocks):
-        nested = replace(loop, solve=solver(blocks))  # shares loop.realised
-        loops.append((nested, nested.until_fits((0, 0), CLOSED_LOOP_ROUNDS)))
-    if in_time():  # every block-level plan is a selective one too
-        block_level = replace(loop, solve=solver([b.block_level() for b in blocks]))
-        block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
-    for chain, tight in loops:
-        if tight.fits and tight.loose is not None:
-            chain.bisect(tight.loose, tight.setting, BISECTION_ROUNDS, in_time)
+    def search(margin: int) -> list[Outcome[_Solved]]:
+        """The closed loops over plans replayed `margin` bytes higher: the chain over whole blocks first,
+        then the one over sub-blocks too (a superset of it, but the model misses more of what a
+        sub-block's backward holds, so its loop may end on a plan dearer than the whole blocks'), then the
+        block-level choices only."""
+        nonlocal correction
+        correction = margin
+        loop = ClosedLoop(solver([b.whole() for b in blocks]), realise_fast, tighten)
+        loops = [(loop, loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS))]
+        if in_time() and any(b.parts for b in blocks):
+            nested = replace(loop, solve=solver(blocks))  # shares loop.realised
+            loops.append((nested, nested.until_fits((0, 0), CLOSED_LOOP_ROUNDS)))
+        if in_time():
+            block_level = replace(loop, solve=solver([b.block_level() for b in blocks]))
+            block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
+        for chain, tight in loops:
+            if tight.fits and tight.loose is not None:
+                chain.bisect(tight.loose, tight.setting, BISECTION_ROUNDS, in_time)
+        searched.update(loop.realised)
+        return list(loop.realised.values())
+
+    searched: dict[tuple[Segment, ...], Outcome[_Solved]] = {}
+    verified_search(search, realise, cost, VERIFICATIONS, in_time)
     external = []
     for baseline in baselines:
         plan, planned = realise(replace(baseline, budget_bytes=budget_bytes))
-        outcome = Outcome(plan, planned, None)
-        loop.realised.setdefault(plan.segments, outcome)
-        external.append(outcome)
+        external.append(Outcome(plan, planned, None))
 
     def beats_baselines(r: Outcome) -> bool:
         return all(r.plan.recompute_flops <= b.plan.recompute_flops
                    and r.plan.recompute_seconds <= b.plan.recompute_seconds + 1e-15
                    for b in external if b.plan.feasible)
 
-    realised = loop.realised.values()
+    solutions = {segments: r.solution for segments, r in searched.items()}
+    realised = [Outcome(plan, planned, solutions.get(segments)) for segments, (plan, planned) in estimated.items()]
     fitting = [r for r in realised if r.plan.feasible]
     if fitting:
         best = min([r for r in fitting if beats_baselines(r)] or fitting, key=lambda r: (cost(r), r.planned.peak_bytes))
-    else:
+    else:  # the smallest peak the replays reached, as the estimator sees it
+        if searched:
+            lowest = min(searched.values(), key=lambda r: (r.planned.peak_bytes, cost(r)))
+            plan, planned = realise(lowest.plan)
+            realised.append(Outcome(plan, planned, lowest.solution))
         best = min(realised, key=lambda r: (r.planned.peak_bytes, cost(r)))
         if best.planned.peak_bytes > unplanned.peak_bytes:  # no plan got below the step without one
             best = Outcome(*realise(replace(best.plan, segments=(), method="none")), None)
@@ -996,7 +1034,7 @@ def plan_selective(
         plan=best.plan, unplanned=unplanned, planned=best.planned, candidates=candidates, solution=compat,
         selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
         recompute_seconds=seconds, step_seconds=base_seconds, processor=clock.name, objective=objective,
-        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(loop.realised),
+        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(estimated), replays=len(replayed),
         floor=peak_floor(trace, block_bytes))
 
 

@@ -380,7 +380,9 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
 
     handles = [
         nn.modules.module.register_module_forward_pre_hook(lambda m, a: pre(m, a)),
-        nn.modules.module.register_module_forward_hook(lambda m, a, k, o: post(m, a, k, o), with_kwargs=True),
+        # always_call: checkpointing stops a recomputation by raising inside a module; its scope still ends
+        nn.modules.module.register_module_forward_hook(lambda m, a, k, o=None: post(m, a, k, o), with_kwargs=True,
+                                                       always_call=True),
     ]
     try:
         yield
