@@ -63,9 +63,9 @@ def candidate_blocks(
     nn.ModuleList containers (blocks called in a loop), and the model's direct children that hold none.
     Cost-model numbers come from the first forward of the trace; `seconds_of(op)` times
     one op's recomputation (memplan.timing: the target's time model), summed over the block. `writers`:
-    _writers(trace), where the caller has it already."""
+    in_place_writers(trace), where the caller has it already."""
     first_forward = [c for c in trace.calls if c.phase == "forward" and c.step == 0]
-    calls_per_path = _calls_per_path(trace)
+    calls_per_path = forward_calls_per_path(trace)
     seen: set[str] = set()
     first_calls = []
     for call in sorted(first_forward, key=lambda c: (c.first_op, -c.end_op)):  # enclosing calls first
@@ -90,16 +90,16 @@ def candidate_blocks(
             outermost.append(call)
 
     forward_end = max((c.end_op for c in first_forward), default=0)
-    writers = _writers(trace) if writers is None else writers
+    writers = in_place_writers(trace) if writers is None else writers
     blocks, excluded = [], []
     previous: ModuleCall | None = None  # the call of the last block kept
     for call in outermost:
         before, previous = previous, None  # an excluded block breaks any run
         ops = trace.ops[call.first_op : call.end_op]
-        if calls_per_path[call.path] > _forward_passes(trace):
+        if calls_per_path[call.path] > forward_passes(trace):
             excluded.append(Excluded(call.path, "called more than once per forward"))
             continue
-        reason = _unsafe_reason(trace, writers, call, forward_end)
+        reason = unsafe_reason(trace, writers, call, forward_end)
         if reason:
             excluded.append(Excluded(call.path, reason))
             continue
@@ -131,9 +131,9 @@ def nested_candidates(
     writers: dict[int, list[int]] | None = None,
 ) -> NestedCandidates:
     """Submodules at any depth: a module, or a run of consecutive siblings that their parent chains as
-    `x = block(x)` (see _joins_run), may be one segment, on the same safety rules as `candidate_blocks`.
+    `x = block(x)` (see joins_run), may be one segment, on the same safety rules as `candidate_blocks`.
     The first forward's module calls nest by their op ranges; the leaves of that tree, plus each module's
-    own ops outside its children, become the chain the solver sees. `writers`: _writers(trace), where the
+    own ops outside its children, become the chain the solver sees. `writers`: in_place_writers(trace), where the
     caller has it already."""
     root = min(
         (c for c in trace.calls if c.path == "" and c.phase == "forward" and c.step == 0),
@@ -142,16 +142,16 @@ def nested_candidates(
     )
     if root is None:
         return NestedCandidates((), ())
-    passes = _forward_passes(trace)
-    calls_per_path = _calls_per_path(trace)
+    passes = forward_passes(trace)
+    calls_per_path = forward_calls_per_path(trace)
     inside = sorted(
         (c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path
          and root.first_op <= c.first_op and c.end_op <= root.end_op and calls_per_path[c.path] <= passes),
         key=lambda c: (c.first_op, -c.end_op),
     )
-    writers = _writers(trace) if writers is None else writers
-    unsafe = {c.path: _unsafe_reason(trace, writers, c, root.end_op) for c in inside}
-    position = _sibling_positions(trace)
+    writers = in_place_writers(trace) if writers is None else writers
+    unsafe = {c.path: unsafe_reason(trace, writers, c, root.end_op) for c in inside}
+    position = sibling_positions(trace)
 
     def activation_bytes(storages) -> int:
         return _activation_bytes(trace, storages, block_bytes)
@@ -207,9 +207,9 @@ def nested_candidates(
         for start, head in enumerate(children):  # runs of two or more siblings, each fed the previous one
             for end in range(start + 1, len(children)):
                 previous, member = children[end - 1], children[end]
-                if not _joins_run(previous, member, head, position):
+                if not joins_run(previous, member, head, position):
                     break
-                if not _unsafe_reason(trace, writers, head, root.end_op, member):
+                if not unsafe_reason(trace, writers, head, root.end_op, member):
                     paths = tuple(c.path for c in children[start : end + 1])
                     add_span(ranges[start][0], ranges[end][1], head, member, paths)
         return first, last
@@ -218,8 +218,8 @@ def nested_candidates(
     return NestedCandidates(tuple(leaves), tuple(sorted(spans.values(), key=lambda s: (s.first, s.last))))
 
 
-def _sibling_positions(trace: Trace) -> dict[str, int]:
-    """Each module's place among its parent's children, in registration order (see _joins_run)."""
+def sibling_positions(trace: Trace) -> dict[str, int]:
+    """Each module's place among its parent's children, in registration order (see joins_run)."""
     position: dict[str, int] = {}
     children_seen: dict[str, int] = {}
     for path in trace.module_types:  # named_modules order
@@ -230,7 +230,7 @@ def _sibling_positions(trace: Trace) -> dict[str, int]:
     return position
 
 
-def _joins_run(
+def joins_run(
     previous: ModuleCall, member: ModuleCall, head: ModuleCall, position: dict[str, int]
 ) -> bool:
     """Whether `member` may extend a run that ends with `previous` (emit.py's runs): siblings registered one
@@ -252,11 +252,11 @@ def _chained(previous: ModuleCall, call: ModuleCall) -> bool:
     return bool(previous.outputs) and call.inputs[: len(previous.outputs)] == previous.outputs
 
 
-def _unsafe_reason(
+def unsafe_reason(
     trace: Trace, writers: dict[int, list[int]], call: ModuleCall, forward_end: int, last: ModuleCall | None = None
 ) -> str:
     """Why recomputing this call (or the run from it to `last`) is unsafe ("" when it is safe); `writers`
-    is _writers(trace)."""
+    is in_place_writers(trace)."""
     if ".parametrizations." in f".{call.path}.":
         return "a parametrization (torch.nn.utils.parametrize) runs when its weight is read, not as a block"
     if _mutated_after(trace, writers, call, forward_end, last):
@@ -276,7 +276,7 @@ def _activation_bytes(trace: Trace, storages, block_bytes: Callable[[int], int])
     return sum(block_bytes(trace.storages[sid].nbytes) for sid in storages if trace.storages[sid].role == "activations")
 
 
-def _calls_per_path(trace: Trace) -> dict[str, int]:
+def forward_calls_per_path(trace: Trace) -> dict[str, int]:
     """How often each module runs in step 0's forward passes."""
     counts: dict[str, int] = {}
     for call in trace.calls:
@@ -308,7 +308,7 @@ def _mutated_after(
     return written(inputs, first.first_op) or written(watched(last.outputs) - inputs, last.end_op)
 
 
-def _writers(trace: Trace) -> dict[int, list[int]]:
+def in_place_writers(trace: Trace) -> dict[int, list[int]]:
     """For each storage, the indices of the ops that write it in place, ascending."""
     writers: dict[int, list[int]] = {}
     for op in trace.ops:
@@ -317,7 +317,7 @@ def _writers(trace: Trace) -> dict[int, list[int]]:
     return writers
 
 
-def _forward_passes(trace: Trace) -> int:
+def forward_passes(trace: Trace) -> int:
     """How many forward passes step 0 ran (one per micro-batch)."""
     return max(1, sum(1 for e in trace.events if e.kind == "phase" and e.phase == "forward" and e.step == 0))
 
@@ -455,7 +455,7 @@ def plan_checkpoints(
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
     block_bytes = device_model(device, gpu).block_bytes
     seconds_of = partial(op_seconds, trace=trace, model=time_model_for(device, gpu, config.precision))
-    writers = _writers(trace)
+    writers = in_place_writers(trace)
     candidates = candidate_blocks(trace, block_bytes, seconds_of, writers)
 
     def chain(budget: int) -> ChainProblem:

@@ -76,14 +76,14 @@ from memplan.plan import Plan, Segment
 from memplan.planner import (
     Candidates,
     Floor,
-    _calls_per_path,
-    _forward_passes,
-    _joins_run,
-    _sibling_positions,
-    _unsafe_reason,
-    _writers,
     candidate_blocks,
+    forward_calls_per_path,
+    forward_passes,
+    in_place_writers,
+    joins_run,
     peak_floor,
+    sibling_positions,
+    unsafe_reason,
 )
 from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import Solution
@@ -373,14 +373,14 @@ class _Safety:
     @classmethod
     def of(cls, trace: Trace) -> _Safety:
         forward_end = max((c.end_op for c in trace.calls if c.phase == "forward" and c.step == 0), default=0)
-        return cls(trace, _writers(trace), forward_end, _forward_passes(trace), _calls_per_path(trace),
-                   _sibling_positions(trace))
+        return cls(trace, in_place_writers(trace), forward_end, forward_passes(trace), forward_calls_per_path(trace),
+                   sibling_positions(trace))
 
     def once(self, call: ModuleCall) -> bool:
         return self.calls_per_path[call.path] <= self.passes
 
     def allows(self, head: ModuleCall, last: ModuleCall | None = None) -> bool:
-        return not _unsafe_reason(self.trace, self.writers, head, self.forward_end, last)
+        return not unsafe_reason(self.trace, self.writers, head, self.forward_end, last)
 
 
 def _child_calls(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
@@ -439,7 +439,7 @@ def _sub_blocks(trace: Trace, block: BlockProfile, safety: _Safety, activations:
         for end in range(start + 1, len(pieces)):
             previous, member = pieces[end - 1][2], pieces[end][2]
             if head is None or member is None or not (safety.once(head) and safety.once(member)) \
-                    or not _joins_run(previous, member, head, safety.position):
+                    or not joins_run(previous, member, head, safety.position):
                 break
             if (start, end) != (0, len(pieces) - 1) and safety.allows(head, member):  # all of it: the block
                 paths = tuple(piece[2].path for piece in pieces[start : end + 1])
