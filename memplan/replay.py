@@ -94,6 +94,10 @@ class Timeline:
     def phase_start(self, phase: str, step: int) -> int:
         return self.phases.get((phase, step), len(self.events))
 
+    def forward_reads_within(self, storage: int, first: int, end: int) -> bool:
+        """Whether every forward op that reads the storage is among ops [first, end)."""
+        return all(first <= r < end or self.trace.ops[r].phase != "forward" for r in self.readers[storage])
+
     def freed_in(self, storage: int, phase: str, step: int) -> bool:
         position = self.free.get(storage)
         if position is None:
@@ -144,7 +148,7 @@ def replay_plan(trace: Trace, plan: Plan, line: Timeline | None = None) -> Repla
             allocated = [s for op in ops[first:end] for s in op.allocates]
             cached = {s for s in allocated if storages[s].allocated_by in kept}
             recreated = {s: None for s in allocated if s not in cached and line.freed_in(s, "backward", step)
-                         and all(first <= r < end or ops[r].phase != "forward" for r in line.readers[s])}  # ordered set
+                         and line.forward_reads_within(s, first, end)}  # an ordered set
             # forward: held until the last reader, or the last call it was passed to, is done; autocast's
             # casts of the weights until the forward ends (its cache lets go as autocast exits)
             held_until = {s: forward_end - 1 if autocast and _casts_weight(trace, storages[s]) else
@@ -167,8 +171,9 @@ def replay_plan(trace: Trace, plan: Plan, line: Timeline | None = None) -> Repla
                 rng = (added(Storage(-1, RNG_STATE_BYTES, "activations", first, segment.modules[0])),)
                 before[line.first_event_of(first)].append(Event("alloc", rng[0], op=first))
 
-            # backward: the recomputation, at the first backward op reading what it recreates or caches
-            watched = set(recreated) | cached
+            # backward: the recomputation, at the first backward op reading what it recreates or caches for
+            # its own backward (not an output that ops after it read: their backward reads it unpacked)
+            watched = set(recreated) | {s for s in cached if line.forward_reads_within(s, first, end)}
             readers = [r for s in watched for r in line.readers[s] if ops[r].phase == "backward" and ops[r].step == step]
             starts = [line.free[s] for s in recreated] + ([line.first_event_of(min(readers))] if readers else [])
             at = min(starts, default=line.phase_start("optimizer", step))
