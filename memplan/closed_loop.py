@@ -120,24 +120,50 @@ def verified_search(
     cost: Callable[[Outcome[S]], float],
     rounds: int,
     in_time: Callable[[], bool] = lambda: True,
+    refinements: int = 2,
 ) -> list[Outcome[S]]:
     """Search over a fast model of the planned step (memplan.replay), then check with the estimator.
 
     `search(correction)` runs the closed loops with `realise` replaying plans, their peaks raised by
     `correction` bytes, and returns the outcomes; the cheapest that fits by them is `verify`-ed (the
     estimator on the planned model). Where the estimator finds it over, the correction becomes at least
-    what the estimator found above the replay and the search runs again, at most `rounds` times, or
-    until `in_time()` is false. Returns the outcomes verified, in order."""
-    correction = 0
+    what the estimator found above the replay and the search runs again, until a plan fits, `rounds`
+    plans are verified or `in_time()` is false. The correction is global, so it may exclude plans that
+    fit: then up to `refinements` more searches halve the bracket between the last correction whose plan
+    did not fit and the one whose plan did, verifying any cheaper plan they find. Returns the outcomes
+    verified, in order."""
     checked: dict[tuple[Segment, ...], Outcome[S]] = {}
-    for _ in range(rounds):
-        fitting = [o for o in search(correction) if o.plan.feasible and o.plan.segments not in checked]
-        if not fitting:
-            break
-        chosen = min(fitting, key=lambda o: (cost(o), o.planned.peak_bytes))
+
+    def cheapest(correction: int, than: Outcome[S] | None = None) -> Outcome[S] | None:
+        fitting = [o for o in search(correction) if o.plan.feasible and o.plan.segments not in checked
+                   and (than is None or cost(o) < cost(than))]
+        return min(fitting, key=lambda o: (cost(o), o.planned.peak_bytes)) if fitting else None
+
+    def verified(chosen: Outcome[S]) -> Outcome[S]:
         plan, planned = verify(chosen.plan)
         checked[plan.segments] = Outcome(plan, planned, chosen.solution)
-        if plan.feasible or not in_time():
+        return checked[plan.segments]
+
+    correction, failed, best = 0, -1, None
+    while best is None and len(checked) < rounds:
+        chosen = cheapest(correction)
+        if chosen is None:
+            return list(checked.values())
+        outcome = verified(chosen)
+        if outcome.plan.feasible:
+            best = outcome
+        elif not in_time():
+            return list(checked.values())
+        else:
+            failed, correction = correction, max(correction + 1, outcome.planned.peak_bytes - chosen.planned.peak_bytes)
+    for _ in range(refinements):
+        if best is None or correction - failed <= 1 or len(checked) >= rounds or not in_time():
             break
-        correction = max(correction + 1, planned.peak_bytes - chosen.planned.peak_bytes)
+        middle = (failed + correction + 1) // 2
+        chosen = cheapest(middle, than=best)
+        outcome = None if chosen is None else verified(chosen)
+        if outcome is None or outcome.plan.feasible:  # nothing cheaper, or a cheaper plan that fits
+            best, correction = outcome or best, middle
+        else:
+            failed = middle
     return list(checked.values())

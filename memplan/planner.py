@@ -521,7 +521,7 @@ def plan_checkpoints(
                               lambda o: float(o.plan.recompute_flops), VERIFICATIONS)
     fitting = [o for o in checked if o.plan.feasible]
     if fitting:
-        best = fitting[-1]
+        best = min(fitting, key=lambda o: o.plan.recompute_flops)
     else:  # the lowest peak any plan reached (the first of equals), as the estimator sees it
         lowest = min(searched.values(), key=lambda o: o.planned.peak_bytes)
         best = min([*checked, Outcome(*_re_estimate(workload, config, device, lowest.plan, unplanned, gpu), lowest.solution)],

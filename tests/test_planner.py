@@ -4,6 +4,7 @@ CPU allocator on the emitted model."""
 import json
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from cli.main import app
-from memplan.closed_loop import Candidate, ClosedLoop
+from memplan.closed_loop import Candidate, ClosedLoop, Outcome, verified_search
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
 from memplan.planner import alternatives, candidate_blocks, max_batch, nested_candidates, plan_checkpoints
@@ -60,6 +61,38 @@ def test_the_closed_loop_tightens_until_a_plan_fits_then_bisects():
     bisected = loop.bisect(tightened.loose, tightened.setting, rounds=3)
     assert [o.solution for o in bisected] == [5, 5, 5] and all(o.plan.feasible for o in bisected)
     assert estimated == [4, 5] and list(loop.realised) == [o.plan.segments for o in tightened.outcomes]
+
+
+def test_verified_search_raises_the_replays_by_what_the_estimator_found():
+    """A toy replay 30 bytes short for plans of 4 segments and exact otherwise. Asked to fit 100, the
+    search's cheapest fitting plan is 4 segments (replayed 100, really 130): the estimator finds it over,
+    so the next search adds 30 to every replay. That correction is global, so it is conservative: 5
+    segments (75, really 75) no longer fit by it, and the estimator confirms 6 (50). Refining, a search
+    at 15 finds 5 segments, which the estimator confirms; one at 8 finds nothing cheaper."""
+    draft = Plan("toy", 1, "fp32", "sgd", 1, "cpu", "toy", (), False, 100, 0, 200, 0, 1)
+
+    def peak(plan, error):
+        return 200 - 25 * len(plan.segments) + (error if len(plan.segments) == 4 else 0)
+
+    def outcome(n, correction):
+        plan = replace(draft, segments=tuple(Segment((f"b{i}",)) for i in range(n)), recompute_flops=n)
+        replayed = peak(plan, 0)
+        return Outcome(replace(plan, feasible=replayed + correction <= 100), SimpleNamespace(peak_bytes=replayed), n)
+
+    searched = []
+
+    def search(correction):
+        searched.append(correction)
+        return [outcome(n, correction) for n in range(8)]
+
+    def verify(plan):
+        real = peak(plan, 30)
+        return replace(plan, feasible=real <= 100), SimpleNamespace(peak_bytes=real)
+
+    checked = verified_search(search, verify, lambda o: float(o.plan.recompute_flops), rounds=4)
+    assert searched == [0, 30, 15, 8]
+    assert [(o.solution, o.plan.feasible, o.planned.peak_bytes) for o in checked] == [
+        (4, False, 130), (6, True, 50), (5, True, 75)]
 
 
 def test_alternatives_skip_a_micro_batch_the_model_cannot_run():
