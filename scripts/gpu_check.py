@@ -52,6 +52,7 @@ class Case:
     precision: str
     optimizer: str
     plan: bool = False
+    selective: bool = False  # the plan from memplan.selective (op-level) rather than memplan.planner
     options: dict[str, Any] = field(default_factory=dict)
     tag: str | None = None  # how the label shows the options (default: all of them)
 
@@ -85,6 +86,7 @@ def gpu_cases(small_gpu: bool) -> list[Case]:
     ]
     cases = [Case(**gpt2, precision=p, optimizer=o) for p in PRECISIONS for o in OPTIMIZERS]
     cases += [Case(**gpt2, precision=p, optimizer="adamw", plan=True) for p in ("fp32", "amp-bf16")]
+    cases += [Case(**m, precision="amp-bf16", optimizer="adamw", plan=True, selective=True) for m in (gpt2, llama)]
     cases += [Case(**m, precision=p, optimizer="adamw") for m in others for p in ("fp32", "amp-bf16")]
     cases += [Case(**m, precision="fp32", optimizer="adamw", plan=True) for m in planned[1:]]
     cases += [
@@ -109,6 +111,7 @@ def quick_cases() -> list[Case]:
         Case(**tiny("gpt2"), precision="fp32", optimizer="adamw"),
         Case(**tiny("gpt2"), precision="amp-bf16", optimizer="sgd-momentum"),
         Case(**tiny("gpt2"), precision="fp32", optimizer="adamw", plan=True),
+        Case(**tiny("gpt2"), precision="fp32", optimizer="adamw", plan=True, selective=True),
         Case(**tiny("llama3-8b"), precision="bf16", optimizer="adafactor"),
         Case(**tiny("resnet18"), precision="fp32", optimizer="sgd-momentum"),
         Case(**tiny("mlp"), precision="fp16-master", optimizer="adamw"),
@@ -120,19 +123,22 @@ def quick_cases() -> list[Case]:
 
 
 def make_plan(
-    workload: Workload, config: StepConfig, device: str, unplanned: Prediction | None
+    workload: Workload, config: StepConfig, device: str, unplanned: Prediction | None, selective: bool = False
 ) -> tuple[Plan, Prediction | None]:
-    """A checkpoint plan from memplan's planner at PLAN_BUDGET_FRACTION of the unplanned prediction,
-    with the planner's own estimate of the checkpointed step; without a planner (or a prediction),
-    checkpoint every block of the model's largest block list (and predict that separately)."""
+    """A checkpoint plan from memplan's planner (`selective`: the op-level one) at PLAN_BUDGET_FRACTION
+    of the unplanned prediction, with the planner's own estimate of the checkpointed step; without a
+    planner (or a prediction), checkpoint every block of the model's largest block list (and predict
+    that separately)."""
     kind = torch.device(device).type
     if unplanned is not None:
         try:
             from memplan.planner import plan_checkpoints
+            from memplan.selective import plan_selective
         except ImportError:
-            plan_checkpoints = None
-        if plan_checkpoints is not None:
-            result = plan_checkpoints(workload, config, int(unplanned.peak_bytes * PLAN_BUDGET_FRACTION), device=kind)
+            plan_checkpoints = plan_selective = None
+        planner = plan_selective if selective else plan_checkpoints
+        if planner is not None:
+            result = planner(workload, config, int(unplanned.peak_bytes * PLAN_BUDGET_FRACTION), device=kind)
             planned = result.planned
             return result.plan, Prediction(int(planned.peak_bytes), dict(planned.phase_peaks))
     plan = every_block_plan(workload, config, kind)
@@ -168,7 +174,7 @@ def run_case(case: Case, device: str) -> list[str]:
     if case.plan:
         if key not in _UNPLANNED:
             _UNPLANNED[key] = _prediction(workload, config, device, None)
-        plan, prediction = make_plan(workload, config, device, _UNPLANNED[key])
+        plan, prediction = make_plan(workload, config, device, _UNPLANNED[key], case.selective)
         plan_label = f"{plan.method} ({len(plan.segments)} seg)"
     measurement = measure(workload, config, device, plan)
     if not case.plan:
