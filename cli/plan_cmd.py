@@ -70,6 +70,9 @@ MethodOpt = Annotated[
 # checks the best plan so far with the estimator (a re-trace: seconds for a 7B model); a plan that fits
 # within half a minute beats a slightly cheaper one later.
 SELECTIVE_TIME_LIMIT_S = 10.0
+# The same for the block-level planner, whose bisection solves the chain a dozen times (seconds each for
+# a 7B model's modules at every depth).
+PLAN_TIME_LIMIT_S = 30.0
 # max-batch searches batch sizes up to this; a result equal to it means "at least".
 MAX_BATCH_LIMIT = 1 << 16
 
@@ -121,7 +124,8 @@ def plan_command(
             result = plan_selective(workload, config, budget_bytes, device, processor=card and card.name,
                                     time_limit_s=SELECTIVE_TIME_LIMIT_S)
         else:
-            result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name)
+            result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name,
+                                      time_limit_s=PLAN_TIME_LIMIT_S)
     plan, floor = result.plan, result.floor
     others = ()
     if not plan.feasible:

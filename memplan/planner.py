@@ -16,6 +16,7 @@ solver's cost model.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -447,11 +448,18 @@ def plan_checkpoints(
     device: str = "cuda",
     method: str = "optimal-dp",
     gpu: str | None = None,
+    time_limit_s: float | None = None,
 ) -> PlanResult:
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
     The result's plan has feasible=False, with the smallest peak reached, when none fits. Plans are
     searched by replay and checked by the estimator (memplan.closed_loop.verified_search); every
-    baseline that fits by replay is a candidate too."""
+    baseline that fits by replay is a candidate too. `time_limit_s`: once past it, the search stops
+    bisecting and searches no further (the plan found is still checked); None: no limit."""
+    started = time.perf_counter()
+
+    def in_time() -> bool:
+        return time_limit_s is None or time.perf_counter() - started < time_limit_s
+
     unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
     block_bytes = device_model(device, gpu).block_bytes
     seconds_of = partial(op_seconds, trace=trace, model=time_model_for(device, gpu, config.precision))
@@ -498,7 +506,7 @@ def plan_checkpoints(
         nonlocal correction
         correction = margin
         loop = ClosedLoop(
-            solve=lambda setting: candidate(_solve(method, problem_at(setting[0]))),
+            solve=lambda setting: candidate(solve_at(setting[0])),
             realise=realise_fast,
             tighten=lambda setting, over, scale: (setting[0] - scale * (over.planned.peak_bytes + correction - budget_bytes),),
         )
@@ -508,7 +516,7 @@ def plan_checkpoints(
             # fits, and costs less. Bisect between the solver budget whose plan fits and the last one
             # whose plan did not (or the unplanned peak, where no checkpoint is needed).
             loose = (unplanned.peak_bytes,) if tightened.loose is None else tightened.loose
-            loop.bisect(loose, tightened.setting, BISECTION_ROUNDS)
+            loop.bisect(loose, tightened.setting, BISECTION_ROUNDS, in_time)
         if method in EXACT_METHODS and candidates.blocks:
             # The cost model can be pessimistic where a baseline's plan fits: every baseline is a candidate.
             for baseline in BASELINES:
@@ -516,9 +524,16 @@ def plan_checkpoints(
         searched.update(loop.realised)
         return list(loop.realised.values())
 
+    solved: dict[int, Solution] = {}  # by solver budget: the searches after the first meet many again
+
+    def solve_at(budget: int) -> Solution:
+        if budget not in solved:
+            solved[budget] = _solve(method, problem_at(budget))
+        return solved[budget]
+
     searched: dict[tuple[Segment, ...], Outcome[Solution]] = {}
     checked = verified_search(search, lambda draft: _re_estimate(workload, config, device, draft, unplanned, gpu),
-                              lambda o: float(o.plan.recompute_flops), VERIFICATIONS)
+                              lambda o: float(o.plan.recompute_flops), VERIFICATIONS, in_time)
     fitting = [o for o in checked if o.plan.feasible]
     if fitting:
         best = min(fitting, key=lambda o: o.plan.recompute_flops)

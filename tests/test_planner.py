@@ -133,6 +133,16 @@ def test_optimal_plan_costs_no_more_than_any_baseline_that_fits(gpt_unplanned):
             assert best.recompute_flops <= baseline.recompute_flops, method
 
 
+def test_time_limit_stops_the_bisection_yet_the_plan_fits(gpt_unplanned):
+    """Past the time limit the search stops bisecting: the plan still fits by the estimator, and costs
+    no less than the one the full search finds."""
+    budget = int(gpt_unplanned.peak_bytes - 0.5 * gpt_unplanned.breakdown.activations)
+    full = plan_checkpoints(_gpt(), CONFIG, budget, device="cpu").plan
+    hurried = plan_checkpoints(_gpt(), CONFIG, budget, device="cpu", time_limit_s=0.0).plan
+    assert hurried.feasible and hurried.predicted_peak_bytes <= budget
+    assert hurried.recompute_flops >= full.recompute_flops > 0
+
+
 def test_no_plan_needed_when_it_already_fits(gpt_unplanned):
     plan = plan_checkpoints(_gpt(), CONFIG, gpt_unplanned.peak_bytes, device="cpu").plan
     assert plan.feasible and plan.segments == () and plan.recompute_flops == 0
