@@ -1,8 +1,9 @@
-"""The closed loop both planners run (memplan.planner, memplan.selective): solve, re-estimate (the selective
-planner: replay, memplan.replay), tighten, bisect.
+"""The closed loop both planners run (memplan.planner, memplan.selective): solve, replay, tighten, bisect;
+then check with the estimator (verified_search).
 
-A solver chooses a plan by its cost model, which is only a model: the estimator, run on the model with
-the plan applied, says what the plan really peaks at. So a planner
+A solver chooses a plan by its cost model, which is only a model: a replay of the plan from the unplanned
+trace (memplan.replay, `Replays`) says what it peaks at, in milliseconds; the estimator, run on the model
+with the plan applied, says so for the plan returned. So a planner
 
 1. `until_fits`: solves at a setting (what the solver is asked to fit: the block-level planner's budget,
    the selective planner's margins per phase), re-estimates the plan, and where it does not fit,
@@ -19,7 +20,7 @@ keeps every one by its segments, in the order first seen.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 from memplan.estimate import Estimate
@@ -112,6 +113,28 @@ class ClosedLoop(Generic[S]):
             outcomes.append(outcome)
             loose, tight = (loose, middle) if outcome.plan.feasible else (middle, tight)
         return tuple(outcomes)
+
+
+@dataclass
+class Replays:
+    """Plans replayed from the unplanned trace, each once: `replay(plan)` fills in the plan's figures but
+    its feasibility, which `realise(correction)` judges against `target`, the replayed peak raised by
+    the correction of the search under way (see verified_search)."""
+
+    replay: Callable[[Plan], tuple[Plan, Estimate]]
+    target: int
+    done: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = field(default_factory=dict)
+
+    def realise(self, correction: int) -> Callable[[Plan], tuple[Plan, Estimate]]:
+        """A ClosedLoop's `realise` for the search with this correction."""
+
+        def realise(plan: Plan) -> tuple[Plan, Estimate]:
+            if plan.segments not in self.done:
+                self.done[plan.segments] = self.replay(plan)
+            replayed, planned = self.done[plan.segments]
+            return replace(replayed, feasible=planned.peak_bytes + correction <= self.target), planned
+
+        return realise
 
 
 def verified_search(

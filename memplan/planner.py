@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
-from memplan.closed_loop import Candidate, ClosedLoop, Outcome, verified_search
+from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Replays, verified_search
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.estimate import Estimate, estimate, estimate_and_trace, in_place_sums
@@ -488,26 +488,20 @@ def plan_checkpoints(
         return Candidate(_draft(workload, config, device, solution, budget_bytes, unplanned), solution.feasible, solution)
 
     timeline = Timeline(trace)
-    replayed: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}
-    correction = 0  # what the estimator found above a replayed peak, at most, so far
 
-    def realise_fast(draft: Plan) -> tuple[Plan, Estimate]:
-        """The draft replayed from the unplanned trace (memplan.replay), its peak raised by the correction."""
-        if draft.segments not in replayed:
-            planned, _ = estimate_replayed(workload, config, device, trace, draft, timeline, gpu)
-            replayed[draft.segments] = (replace(draft, predicted_peak_bytes=planned.peak_bytes,
-                                                recompute_flops=planned.step_flops - unplanned.step_flops), planned)
-        plan, planned = replayed[draft.segments]
-        return replace(plan, feasible=planned.peak_bytes + correction <= budget_bytes), planned
+    def replay(draft: Plan) -> tuple[Plan, Estimate]:
+        planned, _ = estimate_replayed(workload, config, device, trace, draft, timeline, gpu)
+        return replace(draft, predicted_peak_bytes=planned.peak_bytes,
+                       recompute_flops=planned.step_flops - unplanned.step_flops), planned
 
-    def search(margin: int) -> list[Outcome[Solution]]:
-        """The closed loop over plans replayed `margin` bytes higher. The setting is the solver's budget,
-        one number: lowered by what the replay found over the budget."""
-        nonlocal correction
-        correction = margin
+    replays = Replays(replay, budget_bytes)
+
+    def search(correction: int) -> list[Outcome[Solution]]:
+        """The closed loop over plans replayed `correction` bytes higher. The setting is the solver's
+        budget, one number: lowered by what the replay found over the budget."""
         loop = ClosedLoop(
             solve=lambda setting: candidate(solve_at(setting[0])),
-            realise=realise_fast,
+            realise=replays.realise(correction),
             tighten=lambda setting, over, scale: (setting[0] - scale * (over.planned.peak_bytes + correction - budget_bytes),),
         )
         tightened = loop.until_fits((budget_bytes - correction,), CLOSED_LOOP_ROUNDS)

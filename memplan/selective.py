@@ -67,7 +67,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Setting, verified_search
+from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Replays, Setting, verified_search
 from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.errors import BadInput
@@ -905,9 +905,7 @@ def plan_selective(
     residues: dict[str, int] = {}  # learnt from each re-estimated plan, per block checkpointed alone
     block_bytes = device_model(device).block_bytes
     estimated: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans the estimator ran on
-    replayed: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans memplan.replay rewrote
     timeline = Timeline(trace)
-    correction = 0  # what the estimator found above a replayed peak, at most, so far
 
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
         """The estimator on the planned model: the truth every plan returned is judged by."""
@@ -920,19 +918,14 @@ def plan_selective(
                 recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds), planned)
         return estimated[plan.segments]
 
-    def realise_fast(plan: Plan) -> tuple[Plan, Estimate]:
-        """The plan replayed from the unplanned trace (memplan.replay), its peak raised by the correction
-        learnt so far; the estimator's figures where it has run on the plan."""
-        if plan.segments in estimated:
-            return estimated[plan.segments]
-        if plan.segments not in replayed:
-            planned, again = estimate_replayed(workload, config, device, trace, plan, timeline)
-            seconds = sum(op_seconds(op, trace, clock) for op in again) + _checkpoint_seconds(trace, plan, clock)
-            replayed[plan.segments] = (replace(plan, predicted_peak_bytes=planned.peak_bytes,
-                                               recompute_flops=planned.step_flops - unplanned.step_flops,
-                                               recompute_seconds=seconds), planned)
-        plan, planned = replayed[plan.segments]
-        return replace(plan, feasible=planned.peak_bytes + correction <= target), planned
+    def replay(plan: Plan) -> tuple[Plan, Estimate]:
+        """The plan replayed from the unplanned trace (memplan.replay)."""
+        planned, again = estimate_replayed(workload, config, device, trace, plan, timeline)
+        seconds = sum(op_seconds(op, trace, clock) for op in again) + _checkpoint_seconds(trace, plan, clock)
+        return replace(plan, predicted_peak_bytes=planned.peak_bytes, recompute_seconds=seconds,
+                       recompute_flops=planned.step_flops - unplanned.step_flops), planned
+
+    replays = Replays(replay, target)
 
     def cost(r: Outcome) -> float:
         return r.plan.recompute_seconds if objective == "seconds" else float(r.plan.recompute_flops)
@@ -942,8 +935,9 @@ def plan_selective(
 
     solve_seconds = 0.0
 
-    def solver(chain: Sequence[BlockProfile]) -> Callable[[Setting], Candidate[_Solved]]:
-        """Solve `chain` with the setting's (backward, forward) margins added to the fixed bytes."""
+    def solver(chain: Sequence[BlockProfile], correction: int) -> Callable[[Setting], Candidate[_Solved]]:
+        """Solve `chain` with the setting's (backward, forward) margins added to the fixed bytes, to fit
+        the target less the search's correction."""
 
         def solve(margins: Setting) -> Candidate[_Solved]:
             nonlocal solve_seconds
@@ -962,29 +956,32 @@ def plan_selective(
 
         return solve
 
-    def tighten(margins: Setting, over: Outcome, scale: int) -> Setting | None:
-        """Add what the replay found over the target to the fixed bytes of the phase that peaked."""
-        phase = over.planned.peak_phase
-        if phase not in ("forward", "backward"):
-            return None
-        excess = scale * max(1, over.planned.peak_bytes + correction - target)
-        backward, forward = margins
-        return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
+    def search(correction: int) -> list[Outcome[_Solved]]:
+        """The closed loops over plans replayed `correction` bytes higher (the estimator's figures for a
+        plan it has run on): the chain over whole blocks first, then the one over sub-blocks too (a
+        superset of it, but the model misses more of what a sub-block's backward holds, so its loop may
+        end on a plan dearer than the whole blocks'), then the block-level choices only."""
+        replayed = replays.realise(correction)
 
-    def search(margin: int) -> list[Outcome[_Solved]]:
-        """The closed loops over plans replayed `margin` bytes higher: the chain over whole blocks first,
-        then the one over sub-blocks too (a superset of it, but the model misses more of what a
-        sub-block's backward holds, so its loop may end on a plan dearer than the whole blocks'), then the
-        block-level choices only."""
-        nonlocal correction
-        correction = margin
-        loop = ClosedLoop(solver([b.whole() for b in blocks]), realise_fast, tighten)
+        def realise(plan: Plan) -> tuple[Plan, Estimate]:
+            return estimated.get(plan.segments) or replayed(plan)
+
+        def tighten(margins: Setting, over: Outcome, scale: int) -> Setting | None:
+            """Add what the replay found over the target to the fixed bytes of the phase that peaked."""
+            phase = over.planned.peak_phase
+            if phase not in ("forward", "backward"):
+                return None
+            excess = scale * max(1, over.planned.peak_bytes + correction - target)
+            backward, forward = margins
+            return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
+
+        loop = ClosedLoop(solver([b.whole() for b in blocks], correction), realise, tighten)
         loops = [(loop, loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS))]
         if in_time() and any(b.parts for b in blocks):
-            nested = replace(loop, solve=solver(blocks))  # shares loop.realised
+            nested = replace(loop, solve=solver(blocks, correction))  # shares loop.realised
             loops.append((nested, nested.until_fits((0, 0), CLOSED_LOOP_ROUNDS)))
         if in_time():
-            block_level = replace(loop, solve=solver([b.block_level() for b in blocks]))
+            block_level = replace(loop, solve=solver([b.block_level() for b in blocks], correction))
             block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
         for chain, tight in loops:
             if tight.fits and tight.loose is not None:
@@ -1034,7 +1031,7 @@ def plan_selective(
         plan=best.plan, unplanned=unplanned, planned=best.planned, candidates=candidates, solution=compat,
         selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
         recompute_seconds=seconds, step_seconds=base_seconds, processor=clock.name, objective=objective,
-        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(estimated), replays=len(replayed),
+        solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(estimated), replays=len(replays.done),
         floor=peak_floor(trace, block_bytes))
 
 
