@@ -79,12 +79,14 @@ class ClosedLoop(Generic[S]):
             self.realised[segments] = Outcome(plan, planned, candidate.solution)
         return self.realised[segments]
 
-    def until_fits(self, start: Setting, rounds: int) -> Tightened[S]:
+    def until_fits(self, start: Setting, rounds: int, in_time: Callable[[], bool] = lambda: True) -> Tightened[S]:
         """Solve at `start`, then at ever tighter settings, until a plan fits, the solver's model finds
-        none, `tighten` gives up or `rounds` are spent."""
+        none, `tighten` gives up, `rounds` are spent or, after the first, `in_time()` is false."""
         setting, loose, scale = start, None, 1
         outcomes = []
         for _ in range(rounds):
+            if outcomes and not in_time():
+                break
             candidate = self.solve(setting)
             repeated = candidate.draft.segments in self.realised
             outcome = self.outcome(candidate)

@@ -976,13 +976,13 @@ def plan_selective(
             return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
 
         loop = ClosedLoop(solver([b.whole() for b in blocks], correction), realise, tighten)
-        loops = [(loop, loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS))]
+        loops = [(loop, loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS))]  # to a plan that fits, however long
         if in_time() and any(b.parts for b in blocks):
             nested = replace(loop, solve=solver(blocks, correction))  # shares loop.realised
-            loops.append((nested, nested.until_fits((0, 0), CLOSED_LOOP_ROUNDS)))
+            loops.append((nested, nested.until_fits((0, 0), CLOSED_LOOP_ROUNDS, in_time)))
         if in_time():
             block_level = replace(loop, solve=solver([b.block_level() for b in blocks], correction))
-            block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS)
+            block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS, in_time)
         for chain, tight in loops:
             if tight.fits and tight.loose is not None:
                 chain.bisect(tight.loose, tight.setting, BISECTION_ROUNDS, in_time)

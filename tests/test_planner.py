@@ -61,6 +61,9 @@ def test_the_closed_loop_tightens_until_a_plan_fits_then_bisects():
     bisected = loop.bisect(tightened.loose, tightened.setting, rounds=3)
     assert [o.solution for o in bisected] == [5, 5, 5] and all(o.plan.feasible for o in bisected)
     assert estimated == [4, 5] and list(loop.realised) == [o.plan.segments for o in tightened.outcomes]
+    # out of time: one round, then no tightening
+    hurried = ClosedLoop(solve, realise, tighten).until_fits((100,), rounds=8, in_time=lambda: False)
+    assert [o.solution for o in hurried.outcomes] == [4] and not hurried.fits
 
 
 def test_verified_search_raises_the_replays_by_what_the_estimator_found():
