@@ -30,6 +30,11 @@ DEFAULT_GPU = "h100"  # matches memplan.devices.DEFAULT_COMPUTE_CAPABILITY
 CPU_NAME = "cpu"
 # ops the runtime's selective-checkpoint policy never sees (detach, ...)
 POLICY_BLIND = frozenset(str(op) for op in SAC_IGNORED_OPS)
+# ops that hand out memory without writing it (dropout's mask is made by empty_like, then bernoulli_)
+UNINITIALISED = frozenset({
+    "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+    "aten.empty_permuted.default", "aten.new_empty.default", "aten.new_empty_strided.default",
+})
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,8 @@ def time_model_for(device: str, processor: str | None = None, precision: str = "
 
 def bytes_moved(trace: Trace, op: Op) -> int:
     """What one op reads and writes: its input storages and the storages it allocates; nothing for an
-    op that allocates and writes nothing (a view: it only makes new metadata)."""
-    if not op.allocates and not op.writes:
+    op that allocates and writes nothing (a view: it only makes new metadata) or only allocates (empty)."""
+    if (not op.allocates and not op.writes) or op.name in UNINITIALISED:
         return 0
     return sum(trace.storages[sid].nbytes for sid in (*op.reads, *op.allocates))
 

@@ -1,11 +1,15 @@
 """The GPU registry and the roofline estimate."""
 
 import pytest
+import torch
+from torch import nn
 
 from memplan.errors import BadInput
 from memplan.gpus import GPUS, GpuSpec, gpu_spec, peak_flops, supports_precision
-from memplan.step import PRECISIONS
-from memplan.timing import CPU, time_model
+from memplan.step import PRECISIONS, StepConfig
+from memplan.timing import CPU, bytes_moved, time_model
+from memplan.trace import trace_step
+from memplan.workload import Workload
 
 
 @pytest.mark.parametrize(
@@ -110,3 +114,16 @@ def test_time_models():
     assert cpu.seconds(int(cpu.flops_per_s), int(cpu.bytes_per_s)) == pytest.approx(2.0 + cpu.seconds_per_op)
     with pytest.raises(BadInput, match="unknown GPU"):
         time_model("tpu")
+
+
+def test_allocating_uninitialised_memory_moves_no_bytes():
+    """Dropout on the CPU makes its mask with empty_like, then fills it with bernoulli_: only the
+    filling moves memory, so recomputing a dropout is priced by what it writes, not twice that."""
+    def build(batch_size=4):
+        return nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.1)), (torch.randn(batch_size, 256),)
+
+    trace = trace_step(Workload("dropout", build, None, {}), StepConfig(steps=1))
+    forward = {op.name: op for op in trace.ops if op.phase == "forward"}
+    mask = forward["aten.empty_like.default"]
+    assert mask.allocates and bytes_moved(trace, mask) == 0
+    assert bytes_moved(trace, forward["aten.bernoulli_.float"]) == 4 * 256 * 4  # the mask it fills
