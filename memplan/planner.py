@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -205,14 +205,10 @@ def nested_candidates(
         last = len(leaves) - 1
         if call.path and not unsafe[call.path]:
             add_span(first, last, call, call, (call.path,))
-        for start, head in enumerate(children):  # runs of two or more siblings, each fed the previous one
-            for end in range(start + 1, len(children)):
-                previous, member = children[end - 1], children[end]
-                if not joins_run(previous, member, head, position):
-                    break
-                if not unsafe_reason(trace, writers, head, root.end_op, member):
-                    paths = tuple(c.path for c in children[start : end + 1])
-                    add_span(ranges[start][0], ranges[end][1], head, member, paths)
+        for start, end in chained_runs(children, position):
+            if not unsafe_reason(trace, writers, children[start], root.end_op, children[end]):
+                paths = tuple(c.path for c in children[start : end + 1])
+                add_span(ranges[start][0], ranges[end][1], children[start], children[end], paths)
         return first, last
 
     visit(root, inside)
@@ -245,6 +241,20 @@ def joins_run(
         and _chained(previous, member)
         and member.inputs[1:] == head.inputs[1:]
     )
+
+
+def chained_runs(children: Sequence[ModuleCall | None], position: dict[str, int],
+                 usable: Callable[[ModuleCall], bool] = lambda call: True) -> Iterator[tuple[int, int]]:
+    """(start, end) of every run of two or more consecutive `children`, each fed the previous one
+    (joins_run). A None child (ops the parent runs between its children) or an unusable one ends a run."""
+    for start, head in enumerate(children):
+        if head is None or not usable(head):
+            continue
+        for end in range(start + 1, len(children)):
+            member = children[end]
+            if member is None or not usable(member) or not joins_run(children[end - 1], member, head, position):
+                break
+            yield start, end
 
 
 def _chained(previous: ModuleCall, call: ModuleCall) -> bool:

@@ -77,10 +77,10 @@ from memplan.planner import (
     Candidates,
     Floor,
     candidate_blocks,
+    chained_runs,
     forward_calls_per_path,
     forward_passes,
     in_place_writers,
-    joins_run,
     peak_floor,
     sibling_positions,
     unsafe_reason,
@@ -435,17 +435,14 @@ def _sub_blocks(trace: Trace, block: BlockProfile, safety: _Safety, activations:
             path = child.path if child is not None else f"{block.path} (own ops {i})"
             parts.append(SubBlock(i, i, (), first_op, end_op,
                                   _kept_unit(trace, path, f"{block.group}/{i}", first_op, end_op, held, block_bytes)))
-    for start, (_, _, head) in enumerate(pieces):  # runs of 2+ children, each fed the previous one's output
-        for end in range(start + 1, len(pieces)):
-            previous, member = pieces[end - 1][2], pieces[end][2]
-            if head is None or member is None or not (safety.once(head) and safety.once(member)) \
-                    or not joins_run(previous, member, head, safety.position):
-                break
-            if (start, end) != (0, len(pieces) - 1) and safety.allows(head, member):  # all of it: the block
-                paths = tuple(piece[2].path for piece in pieces[start : end + 1])
-                run = profile(head.path, f"{block.group}/{name(paths)}", last=member.path, held_outputs=held)
-                run = replace(run, path="+".join(paths))
-                parts.append(SubBlock(start, end, paths, head.first_op, member.end_op, run))
+    children = [child for _, _, child in pieces]
+    for start, end in chained_runs(children, safety.position, safety.once):
+        head, member = children[start], children[end]
+        if (start, end) != (0, len(pieces) - 1) and safety.allows(head, member):  # all of it: the block
+            paths = tuple(child.path for child in children[start : end + 1])
+            run = profile(head.path, f"{block.group}/{name(paths)}", last=member.path, held_outputs=held)
+            run = replace(run, path="+".join(paths))
+            parts.append(SubBlock(start, end, paths, head.first_op, member.end_op, run))
     return tuple(parts)
 
 
