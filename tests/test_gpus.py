@@ -7,7 +7,7 @@ from torch import nn
 from memplan.errors import BadInput
 from memplan.gpus import GPUS, GpuSpec, gpu_spec, peak_flops, supports_precision
 from memplan.step import PRECISIONS, StepConfig
-from memplan.timing import CPU, bytes_moved, time_model
+from memplan.timing import CPU, bytes_moved, op_seconds, time_model
 from memplan.trace import trace_step
 from memplan.workload import Workload
 
@@ -127,3 +127,16 @@ def test_allocating_uninitialised_memory_moves_no_bytes():
     mask = forward["aten.empty_like.default"]
     assert mask.allocates and bytes_moved(trace, mask) == 0
     assert bytes_moved(trace, forward["aten.bernoulli_.float"]) == 4 * 256 * 4  # the mask it fills
+
+
+def test_metadata_queries_cost_no_time():
+    """The tracer sees `.device` and size queries (fake tensors are a subclass); a plain tensor answers
+    them without a dispatch, even under checkpointing's dispatch modes, so the CPU model prices them at 0."""
+    def build(batch_size=4):
+        return nn.Sequential(nn.Linear(16, 16), nn.ReLU()), (torch.randn(batch_size, 16),)
+
+    trace = trace_step(Workload("mlp", build, None, {}), StepConfig(steps=1))
+    queries = [op for op in trace.ops if op.name == "prim.device.default"]
+    assert queries and all(op_seconds(op, trace, CPU) == 0.0 for op in queries)
+    relu = next(op for op in trace.ops if op.name == "aten.relu.default")
+    assert op_seconds(relu, trace, CPU) >= CPU.seconds_per_op > 0
