@@ -59,11 +59,26 @@ def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_leng
     return (nll, log_alpha), exact
 
 
-# Ops whose fake kernel refuses to run (DynamicOutputShapeException) but whose output shapes the
-# arguments give exactly or bound: -> ((outputs), exact). Not exact: the estimate says approximate.
+def _grouped_mm_outputs(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
+    """aten._grouped_mm (transformers' mixture-of-experts layers, forward and backward): its meta
+    kernel holds CUDA's checks and refuses any dtype but bf16, while the CPU kernel takes fp32 too.
+    The output as both allocate it (torch's own _create_grouped_mm_output_tensor: CPU builds do not
+    pad the rows); bf16 still goes through the fake kernel, checks included."""
+    if mat_a.dtype == torch.bfloat16 and mat_b.dtype == torch.bfloat16:
+        return torch.ops.aten._grouped_mm.default(mat_a, mat_b, offs, bias, out_dtype), True
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype), True
+
+
+# Ops whose fake kernel refuses to run (DynamicOutputShapeException, or checks of another device's
+# kernel) but whose output shapes the arguments give exactly or bound: -> ((outputs), exact). Not
+# exact: the estimate says approximate.
 _SHAPE_FROM_ARGUMENTS: dict[Any, Callable[..., tuple[Any, bool]]] = {
     torch.ops.aten._ctc_loss.default: _ctc_loss_outputs,
     torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs,
+    torch.ops.aten._grouped_mm.default: _grouped_mm_outputs,
 }
 # Writes to its `found_inf` argument: reading it back (GradScaler) must say "no overflow".
 _FOUND_INF_WRITERS = {torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default}
@@ -412,6 +427,13 @@ class _LinearScopes(torch.overrides.TorchFunctionMode):
             self.recorder.linear_calls.pop()
 
 
+# A whole-tensor predicate over values no one can know while building (random init), read back by the
+# factory: its typical answer. nn.init.trunc_normal_ rejection-samples (torch 2.13: `while True: mask =
+# (w < a) | (w > b); if not mask.any(): break`); "none out of range" ends the loop, as it almost always
+# does at the first draw for real. Any other unknown value still raises.
+_TYPICAL_PREDICATES = {torch.ops.aten.any.default: False, torch.ops.aten.all.default: True}
+
+
 class _ConstantShadows(TorchDispatchMode):
     """While the factory builds the model under fake tensors, small tensors computed from constants
     alone (`torch.linspace(0, drop_path_rate, depth).tolist()`, `int(torch.tensor(sizes).prod())`)
@@ -428,6 +450,7 @@ class _ConstantShadows(TorchDispatchMode):
         from torch.utils.weak import WeakTensorKeyDictionary
 
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some shadow is over
 
     def _shadow(self, value: Any) -> Any:
@@ -444,6 +467,8 @@ class _ConstantShadows(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.real:
             with _disable_current_modes():  # the fake mode below would take the real tensor for a fake one
                 return self.real[args[0]].item()
+        if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.guessed:
+            return self.guessed[args[0]]
         out = func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         written = _written_arguments(func, args, kwargs)
@@ -464,6 +489,8 @@ class _ConstantShadows(TorchDispatchMode):
             except Exception:  # noqa: BLE001 - no shadow, no harm: the value is only needed if read
                 real_out = None
         if real_out is None:
+            if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor):
+                self.guessed[out] = _TYPICAL_PREDICATES[func]
             for t in written:  # its real value is unknown now, and so is that of any view of it
                 storage = t.untyped_storage()
                 if storage in self.storages:
