@@ -39,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from tabulate import tabulate
 
+from memplan.closed_loop import EstimateCache
 from memplan.emit import apply_plan
 from memplan.planner import plan_checkpoints
-from memplan.selective import EstimateCache, plan_overhead, plan_selective
+from memplan.selective import plan_overhead, plan_selective
 from memplan.step import StepConfig, prepare_step, run_steps
 from memplan.verify import measure
 from memplan.workload import resolve_workload

@@ -23,8 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
-from memplan.estimate import Estimate
+from memplan.emit import apply_plan
+from memplan.estimate import Estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
+from memplan.step import StepConfig
+from memplan.trace import Trace
+from memplan.workload import Workload
 
 S = TypeVar("S")  # a solver's own record of a solution, carried to the planner's result
 
@@ -192,3 +196,35 @@ def verified_search(
         else:
             failed = middle
     return list(checked.values())
+
+
+@dataclass
+class EstimateCache:
+    """Estimates of one workload, unplanned and per plan: a planner re-estimates the same plans across its
+    searches, and a caller planning several budgets (or both planners, as plan_selective does) shares them."""
+
+    unplanned: dict[tuple, tuple[Estimate, Trace]] = field(default_factory=dict)
+    planned: dict[tuple, tuple[Estimate, Trace]] = field(default_factory=dict)
+
+    @staticmethod
+    def _key(workload: Workload, config: StepConfig, device: str, gpu: str | None) -> tuple:
+        return (workload.spec, workload.factory, workload.batch_size, tuple(sorted(workload.options.items())),
+                config, device, gpu)
+
+    def estimate(self, workload: Workload, config: StepConfig, device: str,
+                 gpu: str | None = None) -> tuple[Estimate, Trace]:
+        key = self._key(workload, config, device, gpu)
+        if key not in self.unplanned:
+            self.unplanned[key] = estimate_and_trace(workload, config, device, gpu=gpu)
+        return self.unplanned[key]
+
+    def realise(self, workload: Workload, config: StepConfig, device: str, plan: Plan,
+                gpu: str | None = None) -> tuple[Estimate, Trace]:
+        """The estimator on the model with `plan` applied."""
+        if not plan.segments:
+            return self.estimate(workload, config, device, gpu)
+        key = (*self._key(workload, config, device, gpu), plan.segments)
+        if key not in self.planned:
+            self.planned[key] = estimate_and_trace(workload, config, device, gpu=gpu,
+                                                   transform=lambda m: apply_plan(m, plan))
+        return self.planned[key]

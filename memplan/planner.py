@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
-from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Replays, verified_search
+from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, Replays, verified_search
 from memplan.devices import device_model
 from memplan.emit import apply_plan
-from memplan.estimate import Estimate, estimate, estimate_and_trace, in_place_sums
+from memplan.estimate import Estimate, estimate, in_place_sums
 from memplan.plan import Plan, Segment
 from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
@@ -459,18 +459,24 @@ def plan_checkpoints(
     method: str = "optimal-dp",
     gpu: str | None = None,
     time_limit_s: float | None = None,
+    cache: EstimateCache | None = None,
 ) -> PlanResult:
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
     The result's plan has feasible=False, with the smallest peak reached, when none fits. Plans are
     searched by replay and checked by the estimator (memplan.closed_loop.verified_search); every
     baseline that fits by replay is a candidate too. `time_limit_s`: once past it, the search stops
-    bisecting and searches no further (the plan found is still checked); None: no limit."""
+    bisecting and searches no further (the plan found is still checked); None: no limit. `cache`: the
+    estimator runs, shared with the caller (memplan.selective plans beside this planner)."""
     started = time.perf_counter()
 
     def in_time() -> bool:
         return time_limit_s is None or time.perf_counter() - started < time_limit_s
 
-    unplanned, trace = estimate_and_trace(workload, config, device, gpu=gpu)
+    cache = cache or EstimateCache()
+    unplanned, trace = cache.estimate(workload, config, device, gpu)
+
+    def re_estimate(draft: Plan) -> tuple[Plan, Estimate]:
+        return _re_estimated(draft, unplanned, cache.realise(workload, config, device, draft, gpu)[0])
     block_bytes = device_model(device, gpu).block_bytes
     seconds_of = partial(op_seconds, trace=trace, model=time_model_for(device, gpu, config.precision))
     writers = in_place_writers(trace)
@@ -536,19 +542,19 @@ def plan_checkpoints(
         return solved[budget]
 
     searched: dict[tuple[Segment, ...], Outcome[Solution]] = {}
-    checked = verified_search(search, lambda draft: _re_estimate(workload, config, device, draft, unplanned, gpu),
+    checked = verified_search(search, re_estimate,
                               lambda o: float(o.plan.recompute_flops), VERIFICATIONS, in_time)
     fitting = [o for o in checked if o.plan.feasible]
     if fitting:
         best = min(fitting, key=lambda o: o.plan.recompute_flops)
     else:  # the lowest peak any plan reached (the first of equals), as the estimator sees it
         lowest = min(searched.values(), key=lambda o: o.planned.peak_bytes)
-        best = min([*checked, Outcome(*_re_estimate(workload, config, device, lowest.plan, unplanned, gpu), lowest.solution)],
+        best = min([*checked, Outcome(*re_estimate(lowest.plan), lowest.solution)],
                    key=lambda o: o.planned.peak_bytes)
         if method in EXACT_METHODS and best.planned.peak_bytes > unplanned.peak_bytes:
             # no plan reached below the step without checkpoints: that is the lowest
             none = candidate(_solve("none", chain(budget_bytes)))
-            best = Outcome(*_re_estimate(workload, config, device, none.draft, unplanned, gpu), none.solution)
+            best = Outcome(*re_estimate(none.draft), none.solution)
     if best.plan.method != method and best.plan.method in BASELINES:
         best = replace(best, plan=replace(best.plan, method=f"{method} (via {best.plan.method})"))
     return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, block_bytes))
@@ -584,15 +590,8 @@ def _draft(
     )
 
 
-def _re_estimate(
-    workload: Workload, config: StepConfig, device: str, draft: Plan, unplanned: Estimate, gpu: str | None
-) -> tuple[Plan, Estimate]:
-    """The draft with the peak and FLOPs the estimator gives the checkpointed model, and that estimate."""
-    planned = (
-        estimate(workload, config, device, transform=lambda model: apply_plan(model, draft), gpu=gpu)
-        if draft.segments
-        else unplanned
-    )
+def _re_estimated(draft: Plan, unplanned: Estimate, planned: Estimate) -> tuple[Plan, Estimate]:
+    """The draft with the peak and FLOPs the estimator gives the checkpointed model (`planned`), and that estimate."""
     plan = replace(
         draft,
         feasible=planned.peak_bytes <= draft.budget_bytes,
@@ -613,7 +612,9 @@ def _realise(
 ) -> tuple[Plan, Estimate]:
     """The solver's segments as a Plan, with the peak and FLOPs the estimator gives the checkpointed model."""
     draft = _draft(workload, config, device, solution, budget_bytes, unplanned)
-    return _re_estimate(workload, config, device, draft, unplanned, gpu)
+    planned = estimate(workload, config, device, transform=lambda model: apply_plan(model, draft), gpu=gpu) \
+        if draft.segments else unplanned
+    return _re_estimated(draft, unplanned, planned)
 
 
 @dataclass(frozen=True)

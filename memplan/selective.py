@@ -63,15 +63,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memplan.closed_loop import Candidate, ClosedLoop, Outcome, Replays, Setting, verified_search
+from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, Replays, Setting, verified_search
 from memplan.devices import device_model
-from memplan.emit import apply_plan
 from memplan.errors import BadInput
-from memplan.estimate import Estimate, estimate_and_trace
+from memplan.estimate import Estimate
 from memplan.plan import Plan, Segment
 from memplan.planner import (
     Candidates,
@@ -82,6 +81,7 @@ from memplan.planner import (
     forward_passes,
     in_place_writers,
     peak_floor,
+    plan_checkpoints,
     sibling_positions,
     unsafe_reason,
 )
@@ -683,35 +683,6 @@ class SelectiveResult:
         return 100 * self.recompute_seconds / self.step_seconds if self.step_seconds else 0.0
 
 
-@dataclass
-class EstimateCache:
-    """Estimates of one workload, unplanned and per plan, kept by whoever plans several budgets (the
-    closed loop re-estimates the same plans); each plan_selective call makes its own by default."""
-
-    unplanned: dict[tuple, tuple[Estimate, Trace]] = field(default_factory=dict)
-    planned: dict[tuple, tuple[Estimate, Trace]] = field(default_factory=dict)
-
-    @staticmethod
-    def _key(workload: Workload, config: StepConfig, device: str) -> tuple:
-        return (workload.spec, workload.factory, workload.batch_size, tuple(sorted(workload.options.items())),
-                config, device)
-
-    def estimate(self, workload: Workload, config: StepConfig, device: str) -> tuple[Estimate, Trace]:
-        key = self._key(workload, config, device)
-        if key not in self.unplanned:
-            self.unplanned[key] = estimate_and_trace(workload, config, device)
-        return self.unplanned[key]
-
-    def realise(self, workload: Workload, config: StepConfig, device: str, plan: Plan) -> tuple[Estimate, Trace]:
-        """The estimator on the model with `plan` applied."""
-        if not plan.segments:
-            return self.estimate(workload, config, device)
-        key = (*self._key(workload, config, device), plan.segments)
-        if key not in self.planned:
-            self.planned[key] = estimate_and_trace(workload, config, device, transform=lambda m: apply_plan(m, plan))
-        return self.planned[key]
-
-
 def _segments(solution: SelectiveSolution) -> tuple[Segment, ...]:
     return tuple(Segment(choice.modules, policy="selective" if choice.policy.saved_ops else "full",
                          saved_ops=choice.policy.saved_ops, activation_bytes=choice.policy.contrib_bytes,
@@ -870,18 +841,20 @@ def plan_selective(
     processor: str | None = None,
     headroom: float = 0.005,
     cache: EstimateCache | None = None,
-    baselines: Sequence[Plan] = (),
+    baselines: Sequence[Plan] | None = None,
     time_limit_s: float | None = None,
 ) -> SelectiveResult:
     """The cheapest selective-recompute plan (by `objective`: "seconds" on `processor`, or "flops") whose
     re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits.
     `processor`: a GPU name or "cpu" (memplan.timing); None: what `device` runs on (the CPU, or an H100).
     `headroom`: the plan must fit budget x (1 - headroom) by the estimator, a margin for its error against
-    the real allocator (a few KiB on the CPU at tiny sizes). `baselines`: plans of other planners (e.g.
-    memplan.planner.plan_checkpoints') re-estimated alongside; the plan returned recomputes no more than
-    any of them that fits, in FLOPs and in seconds (at worst it is that baseline). `time_limit_s`: once
-    past it, the closed loop stops at the first plan that fits (or when it gives up), skipping the
-    block-level loop, the bisection and the optimality bound; None: no limit."""
+    the real allocator (a few KiB on the CPU at tiny sizes). `baselines`: plans of other planners
+    re-estimated alongside; the plan returned recomputes no more than any of them that fits, in FLOPs and
+    in seconds (at worst it is that baseline). None: the block-level planner's plan
+    (memplan.planner.plan_checkpoints, in the time left), whose candidates (modules at any depth) the
+    selective chain does not all have. `time_limit_s`: once past it, the closed loop stops at the first
+    plan that fits (or when it gives up), skipping the block-level loop, the bisection, the default
+    baseline (unless no plan fits) and the optimality bound; None: no limit."""
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     started = time.perf_counter()
@@ -988,6 +961,11 @@ def plan_selective(
 
     searched: dict[tuple[Segment, ...], Outcome[_Solved]] = {}
     verified_search(search, realise, cost, VERIFICATIONS, in_time)
+    if baselines is None:  # a refinement like the others, skipped past the time limit, unless nothing fits
+        baselines = ()
+        if in_time() or not any(plan.feasible for plan, _ in estimated.values()):
+            left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
+            baselines = (plan_checkpoints(workload, config, target, device, time_limit_s=left, cache=cache).plan,)
     external = []
     for baseline in baselines:
         plan, planned = realise(replace(baseline, budget_bytes=budget_bytes))
