@@ -30,7 +30,7 @@ from memplan.plan import Plan, Segment
 from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
-from memplan.timing import op_seconds, time_model_for
+from memplan.timing import op_seconds, recompute_seconds, time_model_for
 from memplan.trace import ModuleCall, Op, Trace
 from memplan.workload import Workload
 
@@ -474,11 +474,16 @@ def plan_checkpoints(
 
     cache = cache or EstimateCache()
     unplanned, trace = cache.estimate(workload, config, device, gpu)
+    clock = time_model_for(device, gpu, config.precision)
 
     def re_estimate(draft: Plan) -> tuple[Plan, Estimate]:
-        return _re_estimated(draft, unplanned, cache.realise(workload, config, device, draft, gpu)[0])
+        """The estimator's peak and FLOPs, and the time model's seconds on its trace (as plan_selective's)."""
+        planned, planned_trace = cache.realise(workload, config, device, draft, gpu)
+        seconds = max(0.0, recompute_seconds(trace, planned_trace, draft, clock))
+        return _re_estimated(replace(draft, recompute_seconds=seconds), unplanned, planned)
+
     block_bytes = device_model(device, gpu).block_bytes
-    seconds_of = partial(op_seconds, trace=trace, model=time_model_for(device, gpu, config.precision))
+    seconds_of = partial(op_seconds, trace=trace, model=clock)
     writers = in_place_writers(trace)
     candidates = candidate_blocks(trace, block_bytes, seconds_of, writers)
 

@@ -93,6 +93,8 @@ from memplan.timing import (
     TimeModel,
     checkpoint_seconds,
     op_seconds,
+    plan_checkpoint_seconds,
+    recompute_seconds,
     step_seconds,
     time_model_for,
 )
@@ -690,23 +692,6 @@ def _segments(solution: SelectiveSolution) -> tuple[Segment, ...]:
                  for choice in solution.choices)
 
 
-def _recompute_seconds(trace: Trace, planned_trace: Trace, plan: Plan, clock: TimeModel) -> float:
-    """What `plan` (re-estimated as `planned_trace`) adds to the step's time: its recomputed ops, and
-    checkpointing's own host time."""
-    return step_seconds(planned_trace, clock) - step_seconds(trace, clock) + _checkpoint_seconds(trace, plan, clock)
-
-
-def _checkpoint_seconds(trace: Trace, plan: Plan, clock: TimeModel) -> float:
-    """Host time the plan's segments add beyond recomputation (memplan.timing.checkpoint_seconds)."""
-    seconds = 0.0
-    for segment in plan.segments:
-        for path in segment.modules:
-            call = _first_forward_call(trace, path)
-            seconds += checkpoint_seconds(trace.ops[call.first_op : call.end_op], trace, clock,
-                                          segment.policy == "selective")
-    return seconds
-
-
 def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str = "seconds",
                    peak_event: int | None = None) -> tuple[Candidates, tuple[BlockProfile, ...]]:
     """The candidate blocks with their policies and sub-blocks. `peak_event`: the unplanned peak's index in
@@ -882,7 +867,7 @@ def plan_selective(
         if plan.segments not in estimated:
             planned, planned_trace = cache.realise(workload, config, device, plan)
             residues.update(_forward_residues(planned_trace, plan, _checkpointable_paths(blocks), block_bytes))
-            seconds = max(0.0, _recompute_seconds(trace, planned_trace, plan, clock))
+            seconds = max(0.0, recompute_seconds(trace, planned_trace, plan, clock))
             estimated[plan.segments] = (replace(
                 plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
                 recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds), planned)
@@ -891,7 +876,7 @@ def plan_selective(
     def replay(plan: Plan) -> tuple[Plan, Estimate]:
         """The plan replayed from the unplanned trace (memplan.replay)."""
         planned, again = estimate_replayed(workload, config, device, trace, plan, timeline)
-        seconds = sum(op_seconds(op, trace, clock) for op in again) + _checkpoint_seconds(trace, plan, clock)
+        seconds = sum(op_seconds(op, trace, clock) for op in again) + plan_checkpoint_seconds(trace, plan, clock)
         return replace(plan, predicted_peak_bytes=planned.peak_bytes, recompute_seconds=seconds,
                        recompute_flops=planned.step_flops - unplanned.step_flops), planned
 
@@ -1020,5 +1005,5 @@ def plan_overhead(
     cache = cache or EstimateCache()
     unplanned, trace = cache.estimate(workload, config, device)
     planned, planned_trace = cache.realise(workload, config, device, plan)
-    extra = _recompute_seconds(trace, planned_trace, plan, clock)
+    extra = recompute_seconds(trace, planned_trace, plan, clock)
     return 100 * (planned.step_flops - unplanned.step_flops) / unplanned.step_flops, 100 * extra / step_seconds(trace, clock)

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from memplan.errors import BadInput
 from memplan.gpus import gpu_spec, peak_flops
+from memplan.plan import Plan
 from memplan.trace import Op, Trace
 
 DEFAULT_GPU = "h100"  # matches memplan.devices.DEFAULT_COMPUTE_CAPABILITY
@@ -141,3 +142,22 @@ def checkpoint_seconds(ops: Sequence[Op], trace: Trace, model: TimeModel, select
     saved = sum(trace.saved_tensors.get(op.index, 0) for op in ops)
     seen = sum(op.name not in POLICY_BLIND for op in ops) if selective else 0
     return saved * model.checkpoint_seconds_per_saved_tensor + seen * model.selective_seconds_per_op
+
+
+def plan_checkpoint_seconds(trace: Trace, plan: Plan, model: TimeModel) -> float:
+    """Host time the plan's segments add beyond recomputation (checkpoint_seconds over each segment's
+    modules, as their first forward call runs them in `trace`, the unplanned step)."""
+    seconds = 0.0
+    for segment in plan.segments:
+        for path in segment.modules:
+            call = min((c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path == path),
+                       key=lambda c: c.first_op)
+            seconds += checkpoint_seconds(trace.ops[call.first_op : call.end_op], trace, model,
+                                          segment.policy == "selective")
+    return seconds
+
+
+def recompute_seconds(trace: Trace, planned_trace: Trace, plan: Plan, model: TimeModel) -> float:
+    """What `plan` (re-estimated as `planned_trace`) adds to the step's time: its recomputed ops, and
+    checkpointing's own host time."""
+    return step_seconds(planned_trace, model) - step_seconds(trace, model) + plan_checkpoint_seconds(trace, plan, model)
