@@ -36,9 +36,15 @@ from memplan.workload import Workload
 
 ROLES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 
-# Ops whose output shape depends on data. Policy: every element is selected (an upper bound), and
-# the estimate is marked approximate, naming the op.
-_DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default}
+# Ops whose output shape depends on data. Exact where their operands' values are known (see
+# `_Recorder.known`); otherwise every element is selected (an upper bound), the selection's values are
+# known where the operands' are (nonzero's: every index of its input, in order), and the estimate is
+# marked approximate, naming the op. bincount, the one exception to the upper bound, takes `minlength`
+# bins (or one per element without it).
+_DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+                   torch.ops.aten.bincount.default}
+# Elements of a traced tensor whose values the recorder keeps (integer and bool tensors only)
+_KNOWN_LIMIT = 1 << 16
 
 
 def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
@@ -210,6 +216,11 @@ class _Recorder(TorchDispatchMode):
         # open F.linear calls: (bias storage, index of the first op inside the call)
         self.linear_calls: list[tuple[torch.UntypedStorage, int]] = []
         self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
+        # Values of the small integer and bool tensors computed from constants and other known values
+        # alone (nonzero's assumed selection, its rows, an index compared with a constant): reading
+        # them back (`if expert_idx == num_experts: continue`) takes the branch the values say.
+        self.known = _RealValues(
+            lambda t: not t.is_floating_point() and not t.is_complex() and t.numel() <= _KNOWN_LIMIT)
 
     # -- storages -------------------------------------------------------------------------------
 
@@ -249,26 +260,27 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(args[0])
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if func in _DATA_DEPENDENT:
-            out = self._assume_all_selected(func, args)
+        written = _written_arguments(func, args, kwargs)
+        data_dependent = func in _DATA_DEPENDENT
+        if data_dependent:
+            out = self._data_dependent(func, args, kwargs)
         elif func in _SHAPE_FROM_ARGUMENTS:
             out, exact = _SHAPE_FROM_ARGUMENTS[func](*args, **kwargs)
             if not exact:
                 self.approximate.append(str(func))
         else:
             out = self.rules.fix_outputs(func, args, kwargs, func(*args, **kwargs))
+        flat_out = tree_flatten(out)[0]
+        if not data_dependent:
+            self.known.run(func, args, kwargs, flat_out, written)
         if func in _FOUND_INF_WRITERS:
             self.found_inf.add(args[1].untyped_storage())
         index = len(self.ops)
         read_storages = {t.untyped_storage() for t in inputs}
         reads = tuple(self.ids[s] for s in read_storages if s in self.ids)
-        writes = tuple(
-            self.ids[t.untyped_storage()]
-            for t in _written_arguments(func, args, kwargs)
-            if t.untyped_storage() in self.ids
-        )
+        writes = tuple(self.ids[t.untyped_storage()] for t in written if t.untyped_storage() in self.ids)
         allocates = []
-        for t in tree_flatten(out)[0]:
+        for t in flat_out:
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
@@ -334,18 +346,54 @@ class _Recorder(TorchDispatchMode):
         return made_by is not None and made_by >= first
 
     def _scalar(self, tensor: torch.Tensor) -> Any:
-        # A data-dependent scalar: GradScaler's overflow flag reads "no overflow"; any other value
-        # (optimizer step counters) reads 1, which changes no shape or allocation.
+        # A known value reads as itself. Any other data-dependent scalar: GradScaler's overflow flag
+        # reads "no overflow"; any other value (optimizer step counters) reads 1 (True, 1.0), which
+        # changes no shape or allocation.
+        if tensor in self.known:
+            return self.known.item(tensor)
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
         return True if tensor.dtype == torch.bool else 1 if not tensor.is_floating_point() else 1.0
 
-    def _assume_all_selected(self, func: Any, args: tuple) -> torch.Tensor:
-        self.approximate.append(str(func))
+    def _data_dependent(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The output of a data-dependent op (`_DATA_DEPENDENT`): exact from known operands, or assumed."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
         x = args[0]
-        if func is torch.ops.aten.nonzero.default:
-            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
-        return torch.empty((x.numel(),), dtype=x.dtype, device=x.device)
+        bounded = True
+        if func is torch.ops.aten.bincount.default:  # one bin per value up to the largest: bound it first
+            values = self.known.value(x)
+            with _disable_current_modes():
+                bounded = values is not None and (values.numel() == 0 or int(values.max()) < _KNOWN_LIMIT)
+        real = self.known.compute(func, args, kwargs, []) if bounded else None
+        if isinstance(real, torch.Tensor):
+            out = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=x.device)
+            if self.known.keeps(out):
+                self.known.keep([out], [real])
+            return out
+        self.approximate.append(str(func))
+        if func is torch.ops.aten.nonzero.default:  # every index, in order
+            out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+            if self.known.keeps(out):
+                with _disable_current_modes():
+                    self.known.keep([out], [torch.ones(x.shape, dtype=torch.bool).nonzero()])
+            return out
+        if func is torch.ops.aten.masked_select.default:  # every element of self, broadcast with the mask
+            shape = torch.broadcast_shapes(x.shape, args[1].shape)
+            out = torch.empty((shape.numel(),), dtype=x.dtype, device=x.device)
+            if x in self.known and self.known.keeps(out):
+                with _disable_current_modes():
+                    self.known.keep([out], [self.known.real[x].expand(shape).reshape(-1).clone()])
+            return out
+        return _bincount_output(*args, **kwargs)
+
+
+def _bincount_output(x: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+    """aten.bincount over unknown values: `minlength` bins (all the values below it), or one per element
+    without it; its dtype as the CPU and CUDA kernels give it."""
+    bins = minlength if minlength > 0 else x.numel()
+    dtype = torch.long if weights is None else weights.dtype if weights.dtype == torch.float else torch.double
+    return torch.empty((bins,), dtype=dtype, device=x.device)
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -434,14 +482,93 @@ class _LinearScopes(torch.overrides.TorchFunctionMode):
 _TYPICAL_PREDICATES = {torch.ops.aten.any.default: False, torch.ops.aten.all.default: True}
 
 
+class _RealValues:
+    """Real values kept beside small fake tensors whose values are known: computed by deterministic
+    ops from Python constants and other known values alone (or from real tensors, which are their own
+    values), by running each op a second time, for real, with the modes disabled. An op that writes a
+    known tensor otherwise (random init, an unknown operand) drops the values of every tensor over
+    that storage. `keeps` says which fake outputs may be known (size and dtype)."""
+
+    def __init__(self, keeps: Callable[[torch.Tensor], bool]) -> None:
+        from torch.utils.weak import WeakTensorKeyDictionary
+
+        self.keeps = keeps
+        self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        return tensor in self.real
+
+    def item(self, tensor: torch.Tensor) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the fake mode below would take the real tensor for a fake one
+            return self.real[tensor].item()
+
+    def value(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not isinstance(value, FakeTensor):
+            return value  # a real tensor (torch.tensor's data before lift_fresh) is its own value
+        return self.real.get(value)
+
+    def compute(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor]) -> Any:
+        """The op's real outputs, or None where an operand's value is unknown (or the op fails)."""
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return None
+        if any(not (isinstance(t, FakeTensor) and t in self.real) for t in written):
+            return None  # never write a real tensor that is not ours (a module-level constant)
+        flat, spec = tree_flatten((args, kwargs))
+        real_flat = []
+        for value in flat:
+            real = self.value(value)
+            if real is None:
+                return None
+            real_flat.append(real)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        real_args, real_kwargs = tree_unflatten(real_flat, spec)
+        try:
+            with _disable_current_modes():
+                return func(*real_args, **real_kwargs)
+        except Exception:  # noqa: BLE001 - no value, no harm: unknown values read as before
+            return None
+
+    def keep(self, fakes: list[Any], reals: list[Any]) -> None:
+        """Pair the fake outputs with their real values (both flattened)."""
+        for fake, real in zip(fakes, reals):
+            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor) and fake.shape == real.shape \
+                    and fake.dtype == real.dtype:
+                self.real[fake] = real
+                self.storages.add(fake.untyped_storage())
+
+    def forget(self, written: list[torch.Tensor]) -> None:
+        """`written` got values no one knows: so did every tensor over their storages."""
+        for t in written:
+            storage = t.untyped_storage()
+            if storage in self.storages:
+                for key in [k for k in self.real if k.untyped_storage() is storage]:
+                    del self.real[key]
+
+    def run(self, func: Any, args: tuple, kwargs: dict, flat_out: list[Any], written: list[torch.Tensor]) -> None:
+        """After the fake op ran (its outputs flattened): keep their real values if they can be known."""
+        real_out = None
+        outputs = [t for t in flat_out if isinstance(t, FakeTensor)]
+        if (outputs or written) and all(self.keeps(t) for t in outputs):
+            real_out = self.compute(func, args, kwargs, written)
+        if real_out is None:
+            if written and self.storages:
+                self.forget(written)
+        else:
+            self.keep(flat_out, tree_flatten(real_out)[0])
+
+
 class _ConstantShadows(TorchDispatchMode):
     """While the factory builds the model under fake tensors, small tensors computed from constants
     alone (`torch.linspace(0, drop_path_rate, depth).tolist()`, `int(torch.tensor(sizes).prod())`)
-    are also computed for real, so that reading their values back (`.item()`, `.tolist()`) gives the
-    real numbers instead of failing as data-dependent. A tensor has a real shadow when the op that
-    made it is deterministic, its tensor operands all have shadows (or are real), and its result is
-    small; an op that writes a shadowed tensor otherwise (random init) drops the shadows of every
-    tensor over that storage. Nothing here reaches the traced step: the shadows go with the mode."""
+    are also computed for real (`_RealValues`), so that reading their values back (`.item()`,
+    `.tolist()`) gives the real numbers instead of failing as data-dependent. Nothing here reaches
+    the traced step: the shadows go with the mode (the recorder keeps its own, `_Recorder.known`)."""
 
     LIMIT = 1 << 14  # elements per tensor
 
@@ -449,58 +576,19 @@ class _ConstantShadows(TorchDispatchMode):
         super().__init__()
         from torch.utils.weak import WeakTensorKeyDictionary
 
-        self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.values = _RealValues(lambda t: t.numel() <= self.LIMIT)
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
-        self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some shadow is over
-
-    def _shadow(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if not isinstance(value, FakeTensor):
-            return value  # a real tensor (torch.tensor's data before lift_fresh) is its own value
-        return self.real.get(value)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.real:
-            with _disable_current_modes():  # the fake mode below would take the real tensor for a fake one
-                return self.real[args[0]].item()
+        if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.values:
+            return self.values.item(args[0])
         if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.guessed:
             return self.guessed[args[0]]
         out = func(*args, **kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        written = _written_arguments(func, args, kwargs)
-        real_flat = [self._shadow(v) for v in flat]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, FakeTensor)]
-        computable = (
-            torch.Tag.nondeterministic_seeded not in func.tags
-            and all(r is not None for v, r in zip(flat, real_flat) if isinstance(v, torch.Tensor))
-            and all(t.numel() <= self.LIMIT for t in outputs)
-            and not any(isinstance(t, FakeTensor) and t.numel() > self.LIMIT for t in written)
-        )
-        real_out = None
-        if computable:
-            real_args, real_kwargs = tree_unflatten(real_flat, spec)
-            try:
-                with _disable_current_modes():
-                    real_out = func(*real_args, **real_kwargs)
-            except Exception:  # noqa: BLE001 - no shadow, no harm: the value is only needed if read
-                real_out = None
-        if real_out is None:
-            if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor):
-                self.guessed[out] = _TYPICAL_PREDICATES[func]
-            for t in written:  # its real value is unknown now, and so is that of any view of it
-                storage = t.untyped_storage()
-                if storage in self.storages:
-                    for key in [k for k in self.real if k.untyped_storage() is storage]:
-                        del self.real[key]
-            return out
-        for fake, real in zip(tree_flatten(out)[0], tree_flatten(real_out)[0]):
-            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
-                self.real[fake] = real
-                self.storages.add(fake.untyped_storage())
+        self.values.run(func, args, kwargs, tree_flatten(out)[0], _written_arguments(func, args, kwargs))
+        if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:
+            self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
 
 
