@@ -946,7 +946,7 @@ def plan_selective(
 
     searched: dict[tuple[Segment, ...], Outcome[_Solved]] = {}
     verified_search(search, realise, cost, VERIFICATIONS, in_time)
-    if baselines is None:  # a refinement like the others, skipped past the time limit, unless nothing fits
+    if baselines is None:  # a refinement like the others, skipped past the time limit unless nothing fits
         baselines = ()
         if in_time() or not any(plan.feasible for plan, _ in estimated.values()):
             left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
