@@ -89,6 +89,7 @@ from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import Solution
 from memplan.step import StepConfig
 from memplan.timing import (
+    CPU_NAME,
     POLICY_BLIND,
     TimeModel,
     checkpoint_seconds,
@@ -831,7 +832,8 @@ def plan_selective(
 ) -> SelectiveResult:
     """The cheapest selective-recompute plan (by `objective`: "seconds" on `processor`, or "flops") whose
     re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits.
-    `processor`: a GPU name or "cpu" (memplan.timing); None: what `device` runs on (the CPU, or an H100).
+    `processor`: a GPU name or "cpu" (memplan.timing); None: what `device` runs on (the CPU, or an H100). On
+    CUDA the GPU named also sets the library workspaces the estimator counts, as `estimate --gpu` does.
     `headroom`: the plan must fit budget x (1 - headroom) by the estimator, a margin for its error against
     the real allocator (a few KiB on the CPU at tiny sizes). `baselines`: plans of other planners
     re-estimated alongside; the plan returned recomputes no more than any of them that fits, in FLOPs and
@@ -846,7 +848,8 @@ def plan_selective(
     cache = cache or EstimateCache()
     target = budget_bytes - int(headroom * budget_bytes)
     clock = time_model_for(device, processor, config.precision)
-    unplanned, trace = cache.estimate(workload, config, device)
+    gpu = _card(device, processor)
+    unplanned, trace = cache.estimate(workload, config, device, gpu)
     peak_event = unplanned.simulation.peak_event if unplanned.simulation is not None else None
     candidates, blocks = profile_blocks(trace, device, clock, objective, peak_event)
     fixed = max(0, unplanned.peak_bytes - sum(b.activation_bytes for b in blocks))
@@ -858,14 +861,14 @@ def plan_selective(
     method = f"selective-dp ({objective})"
 
     residues: dict[str, int] = {}  # learnt from each re-estimated plan, per block checkpointed alone
-    block_bytes = device_model(device).block_bytes
+    block_bytes = device_model(device, gpu).block_bytes
     estimated: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans the estimator ran on
     timeline = Timeline(trace)
 
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
         """The estimator on the planned model: the truth every plan returned is judged by."""
         if plan.segments not in estimated:
-            planned, planned_trace = cache.realise(workload, config, device, plan)
+            planned, planned_trace = cache.realise(workload, config, device, plan, gpu)
             residues.update(_forward_residues(planned_trace, plan, _checkpointable_paths(blocks), block_bytes))
             seconds = max(0.0, recompute_seconds(trace, planned_trace, plan, clock))
             estimated[plan.segments] = (replace(
@@ -875,7 +878,7 @@ def plan_selective(
 
     def replay(plan: Plan) -> tuple[Plan, Estimate]:
         """The plan replayed from the unplanned trace (memplan.replay)."""
-        planned, again = estimate_replayed(workload, config, device, trace, plan, timeline)
+        planned, again = estimate_replayed(workload, config, device, trace, plan, timeline, gpu)
         seconds = sum(op_seconds(op, trace, clock) for op in again) + plan_checkpoint_seconds(trace, plan, clock)
         return replace(plan, predicted_peak_bytes=planned.peak_bytes, recompute_seconds=seconds,
                        recompute_flops=planned.step_flops - unplanned.step_flops), planned
@@ -950,7 +953,8 @@ def plan_selective(
         baselines = ()
         if in_time() or not any(plan.feasible for plan, _ in estimated.values()):
             left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
-            baselines = (plan_checkpoints(workload, config, target, device, time_limit_s=left, cache=cache).plan,)
+            baselines = (plan_checkpoints(workload, config, target, device, gpu=gpu, time_limit_s=left,
+                                          cache=cache).plan,)
     external = []
     for baseline in baselines:
         plan, planned = realise(replace(baseline, budget_bytes=budget_bytes))
@@ -1003,7 +1007,14 @@ def plan_overhead(
     traces, as plan_selective prices them."""
     clock = time_model_for(device, processor, config.precision)
     cache = cache or EstimateCache()
-    unplanned, trace = cache.estimate(workload, config, device)
-    planned, planned_trace = cache.realise(workload, config, device, plan)
+    gpu = _card(device, processor)
+    unplanned, trace = cache.estimate(workload, config, device, gpu)
+    planned, planned_trace = cache.realise(workload, config, device, plan, gpu)
     extra = recompute_seconds(trace, planned_trace, plan, clock)
     return 100 * (planned.step_flops - unplanned.step_flops) / unplanned.step_flops, 100 * extra / step_seconds(trace, clock)
+
+
+def _card(device: str, processor: str | None) -> str | None:
+    """The GPU whose library workspaces the estimator models: `processor` where the step runs on CUDA
+    and is priced on a GPU (a step traced for the CPU may still be priced on a GPU's roofline)."""
+    return processor if device == "cuda" and processor not in (None, CPU_NAME) else None

@@ -420,3 +420,19 @@ def test_selective_falls_back_on_the_block_level_plan_where_its_chain_falls_shor
     assert result.plan.recompute_flops <= block.plan.recompute_flops
     assert any(len(s.modules[0].split(".")) > 3 for s in result.plan.segments)  # deeper than a stage's child
     assert measure(workload, CONFIG, device="cpu", plan=result.plan).measured_peak_bytes <= budget
+
+
+def test_on_cuda_the_gpu_priced_on_is_the_gpu_estimated():
+    """The GPU a CUDA step is priced on also sets cuBLAS's workspaces (32 MiB a thread on an H100, less
+    before Hopper): the plan's peaks are the estimator's for that card, as `memplan estimate --gpu` gives."""
+    workload = _gpt(n_layer=3)
+    config = StepConfig(precision="amp-bf16", optimizer="sgd", steps=2)
+    card = "rtx4090"
+    unplanned = estimate(workload, config, "cuda", gpu=card)
+    assert unplanned.peak_bytes != estimate(workload, config, "cuda").peak_bytes  # not a vacuous match
+    budget = int(unplanned.peak_bytes - 0.3 * unplanned.breakdown.activations)
+    result = plan_selective(workload, config, budget, device="cuda", processor=card)
+    assert result.unplanned.peak_bytes == unplanned.peak_bytes
+    assert result.plan.feasible
+    assert result.plan.predicted_peak_bytes == estimate(
+        workload, config, "cuda", gpu=card, transform=lambda m: apply_plan(m, result.plan)).peak_bytes
