@@ -24,7 +24,6 @@ from functools import partial
 
 from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, Replays, verified_search
 from memplan.devices import device_model
-from memplan.emit import apply_plan
 from memplan.estimate import Estimate, estimate, in_place_sums
 from memplan.plan import Plan, Segment
 from memplan.replay import Timeline, estimate_replayed
@@ -604,22 +603,6 @@ def _re_estimated(draft: Plan, unplanned: Estimate, planned: Estimate) -> tuple[
         recompute_flops=max(0, planned.step_flops - unplanned.step_flops),
     )
     return plan, planned
-
-
-def _realise(
-    workload: Workload,
-    config: StepConfig,
-    device: str,
-    solution: Solution,
-    budget_bytes: int,
-    unplanned: Estimate,
-    gpu: str | None,
-) -> tuple[Plan, Estimate]:
-    """The solver's segments as a Plan, with the peak and FLOPs the estimator gives the checkpointed model."""
-    draft = _draft(workload, config, device, solution, budget_bytes, unplanned)
-    planned = estimate(workload, config, device, transform=lambda model: apply_plan(model, draft), gpu=gpu) \
-        if draft.segments else unplanned
-    return _re_estimated(draft, unplanned, planned)
 
 
 @dataclass(frozen=True)

@@ -200,11 +200,6 @@ class SubBlock:
     profile: BlockProfile
 
 
-def _first_forward_call(trace: Trace, path: str) -> ModuleCall:
-    return min((c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path == path),
-               key=lambda c: c.first_op)
-
-
 def _forward_end(trace: Trace, start: int) -> int:
     """The index after the last op of the forward phase that op `start` belongs to."""
     end = start
@@ -219,8 +214,8 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     """`last`: profile the run of sibling modules from `path` to `last` as one segment. `held_outputs`:
     count only these of its outputs as held until backward (None: all); a sub-block's output that
     nothing saves (attn's, read by a residual add) is freed in forward, checkpointed or not."""
-    call = _first_forward_call(trace, path)
-    tail = call if last is None else _first_forward_call(trace, last)
+    call = trace.first_forward_call(path)
+    tail = call if last is None else trace.first_forward_call(last)
     ops = trace.ops[call.first_op : tail.end_op]
     allocated = {s for op in ops for s in op.allocates}
     activations = {s for s in allocated if trace.storages[s].role == "activations"}
@@ -412,7 +407,7 @@ def _sub_blocks(trace: Trace, block: BlockProfile, safety: _Safety, activations:
     () where it has a single unit. `activations`: the storages the unplanned step holds for backward;
     with the block's outputs, what a unit holds of its own outputs. `profile(path, group, **kw)`:
     profile_block on this trace."""
-    call = _first_forward_call(trace, block.path)
+    call = trace.first_forward_call(block.path)
     held = activations | frozenset(call.outputs)
     pieces: list[tuple[int, int, ModuleCall | None]] = []  # (first op, end op, child or None for own ops)
     at = call.first_op
@@ -733,7 +728,7 @@ def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str =
 def _unit_ranges(trace: Trace, block: BlockProfile) -> list[tuple[int, int]]:
     """The op ranges of the block's units, in forward order."""
     if not block.parts:
-        call = _first_forward_call(trace, block.path)
+        call = trace.first_forward_call(block.path)
         return [(call.first_op, call.end_op)]
     return [(p.first_op, p.end_op) for p in block.parts if p.first == p.last]
 
@@ -768,7 +763,7 @@ def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Ca
         path = segment.modules[0]
         if len(segment.modules) != 1 or path not in paths:
             continue
-        call = _first_forward_call(trace, path)
+        call = trace.first_forward_call(path)
         last = _forward_end(trace, call.first_op) - 1  # freed after the forward's last op: held to its end
         held = {s for op in trace.ops[call.first_op : call.end_op] for s in op.allocates
                 if freed_after.get(s, len(trace.ops)) >= last}

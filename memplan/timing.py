@@ -150,8 +150,7 @@ def plan_checkpoint_seconds(trace: Trace, plan: Plan, model: TimeModel) -> float
     seconds = 0.0
     for segment in plan.segments:
         for path in segment.modules:
-            call = min((c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path == path),
-                       key=lambda c: c.first_op)
+            call = trace.first_forward_call(path)
             seconds += checkpoint_seconds(trace.ops[call.first_op : call.end_op], trace, model,
                                           segment.policy == "selective")
     return seconds

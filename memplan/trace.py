@@ -170,6 +170,11 @@ class Trace:
     # recorded last when they were saved: the op itself or a helper op it ran. Sum over op ranges.
     saved_tensors: dict[int, int] = field(default_factory=dict)
 
+    def first_forward_call(self, path: str) -> ModuleCall:
+        """The first call of module `path` in step 0's forward (what the planners profile a block by)."""
+        return min((c for c in self.calls if c.phase == "forward" and c.step == 0 and c.path == path),
+                   key=lambda c: c.first_op)
+
     def graph(self) -> nx.DiGraph:
         """Ops as nodes, an edge from the op that allocated a storage to each op that reads it."""
         g = nx.DiGraph()

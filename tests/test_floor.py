@@ -8,8 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
-from memplan.planner import _realise, nested_candidates, peak_floor, plan_checkpoints
+from memplan.planner import _draft, nested_candidates, peak_floor, plan_checkpoints
 from memplan.selective import plan_selective
 from memplan.solvers import Solution
 from memplan.step import StepConfig
@@ -66,7 +67,8 @@ def test_floor_lies_under_random_plans(name, config):
                 chosen.append(span.paths)
                 covered |= units
         solution = Solution("optimal-dp", tuple(chosen), True, 0, 0, 0.0, 0.0)
-        plan, planned = _realise(workload, config, "cpu", solution, 0, unplanned, None)
+        plan = _draft(workload, config, "cpu", solution, 0, unplanned)
+        planned = estimate(workload, config, "cpu", transform=lambda model, plan=plan: apply_plan(model, plan))
         assert floor.peak_bytes <= planned.peak_bytes, chosen
         if trial == 0 and config.precision == "fp32":
             assert floor.peak_bytes <= measure(workload, config, device="cpu", plan=plan).measured_peak_bytes
