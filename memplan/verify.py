@@ -551,6 +551,8 @@ def predict(workload: Workload, config: StepConfig, device: str, plan: Plan | No
     except (TypeError, ValueError):
         parameters = {}
     kwargs: dict[str, Any] = {"device": kind}
+    if kind == "cuda" and "gpu" in parameters:  # its compute capability sets cuBLAS's workspaces
+        kwargs["gpu"] = _listed_gpu(device)
     if plan is not None:
         if "plan" in parameters:
             kwargs["plan"] = plan
@@ -566,6 +568,19 @@ def predict(workload: Workload, config: StepConfig, device: str, plan: Plan | No
         raise PredictionUnavailable(f"the estimator failed: {type(error).__name__}: {error}") from error
     phases = {k: int(v) for k, v in (getattr(result, "phase_peaks", None) or {}).items() if k in PHASES}
     return Prediction(int(result.peak_bytes), phases, source="estimate")
+
+
+def _listed_gpu(device: str) -> str | None:
+    """The GPU running the step as memplan.gpus lists it (torch's name for it is an alias there); None
+    for a card it does not list, which the estimator models as its default."""
+    try:
+        from memplan.gpus import gpu_spec
+
+        name = torch.cuda.get_device_name(torch.device(device))
+        gpu_spec(name)
+        return name
+    except Exception:  # noqa: BLE001 - an unlisted card, or no gpus registry in this build
+        return None
 
 
 def error_pct(predicted: int | None, measured: int | None) -> float | None:

@@ -28,6 +28,7 @@ from memplan.verify import (
     compare,
     error_pct,
     measure,
+    predict,
     resolve_device,
 )
 from memplan.workload import Workload
@@ -530,3 +531,20 @@ def test_cuda_snapshot(tmp_path: Path) -> None:
     path = tmp_path / "snapshot.pickle"
     m = measure(linear_workload(8), StepConfig(optimizer="sgd", steps=1), "cuda", snapshot=path)
     assert path.is_file() and path.stat().st_size > 0 and m.snapshot_path == str(path)
+
+
+def test_prediction_on_a_gpu_models_that_gpu(monkeypatch) -> None:
+    """verify's prediction on CUDA is for the card torch reports: an A100's cuBLAS workspaces, not the
+    default H100's (32 MiB a thread), else every step on it would read tens of MiB over."""
+    from memplan.estimate import estimate
+    from memplan.workload import resolve_workload
+    from models import TINY_OVERRIDES
+
+    workload = resolve_workload("gpt2", 4, TINY_OVERRIDES["gpt2"])
+    config = StepConfig(precision="amp-bf16", optimizer="sgd", steps=2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    on_a100 = estimate(workload, config, "cuda", gpu="a100-80gb").peak_bytes
+    assert on_a100 != estimate(workload, config, "cuda").peak_bytes  # the card matters here
+    assert predict(workload, config, "cuda").peak_bytes == on_a100
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert predict(workload, config, "cuda").peak_bytes == estimate(workload, config, "cuda").peak_bytes
