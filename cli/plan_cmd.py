@@ -36,6 +36,7 @@ from cli.common import (
     yes_no,
 )
 from cli.estimate_cmd import DeviceOpt
+from memplan.closed_loop import EstimateCache
 from memplan.errors import BadInput, DoesNotFit
 from memplan.plan import check_output_path, save_plan, write_atomically
 from memplan.planner import alternatives, max_batch, plan_checkpoints
@@ -117,16 +118,21 @@ def plan_command(
     if out and emit and Path(out).resolve() == Path(emit).resolve():
         raise BadInput(f"--out and --emit name the same file ({out}): the module would replace the plan")
     workload, config = _workload_and_step(model, batch_size, set_, precision, optimizer, grad_accum)
+    cache = EstimateCache()
     with progress(f"planning {model}: solving and re-estimating the checkpointed step ...", quiet):
         if selective:
             from memplan.selective import plan_selective
 
             result = plan_selective(workload, config, budget_bytes, device, processor=card and card.name,
-                                    time_limit_s=SELECTIVE_TIME_LIMIT_S)
+                                    time_limit_s=SELECTIVE_TIME_LIMIT_S, cache=cache)
         else:
             result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name,
-                                      time_limit_s=PLAN_TIME_LIMIT_S)
+                                      time_limit_s=PLAN_TIME_LIMIT_S, cache=cache)
     plan, floor = result.plan, result.floor
+    bound = None
+    if plan.feasible and plan.segments:
+        with progress("bounding what any plan recomputes ...", quiet):
+            bound = _least_recompute(workload, config, budget_bytes, device, card, cache)
     others = ()
     if not plan.feasible:
         with progress("looking for what would fit instead ...", quiet):
@@ -166,6 +172,7 @@ def plan_command(
             "step_flops": plan.step_flops,
             "recompute_overhead_pct": round(overhead, 3),
             "recompute_seconds": recompute_s,
+            "recompute_bound_seconds": bound and bound.cost,
             "time_model": clock.name,
             "method": plan.method,
             "peak_floor_bytes": floor.peak_bytes,
@@ -197,6 +204,9 @@ def plan_command(
         ], headers=headers, colalign=("left", *["right"] * (len(headers) - 1))))
         typer.echo(f"memory saved: {format_bytes(plan.unplanned_peak_bytes - plan.predicted_peak_bytes)}")
         typer.echo(f"recompute ≈ {1000 * recompute_s:.1f} ms per step on {clock.description}")
+        if bound:
+            typer.echo(f"no plan recomputes less than {1000 * bound.cost:.1f} ms ({bound.pct:.1f}% of the step): "
+                       "a proven lower bound over any segments and save policies")
         if card:
             typer.echo(gpu_line(card))
         for excluded in result.candidates.excluded:
@@ -214,6 +224,19 @@ def plan_command(
             f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; "
             f"the smallest reached is {_smallest_reached(plan)}{proof}"
         )
+
+
+def _least_recompute(workload, config, budget_bytes, device, card, cache):
+    """memplan.recompute_bound's bound in seconds on the plan's time model; None without scipy, whose
+    MILP solver it needs (the `plan` extra)."""
+    try:
+        import scipy.optimize  # noqa: F401
+    except ImportError:
+        note("not bounding what any plan recomputes: that needs scipy (pip install scipy)")
+        return None
+    from memplan.recompute_bound import least_recompute
+
+    return least_recompute(workload, config, budget_bytes, device, card and card.name, cache=cache)
 
 
 def _smallest_reached(plan) -> str:

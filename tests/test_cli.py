@@ -147,6 +147,7 @@ def test_plan_table_and_json_with_the_gpu_as_budget():
     assert payload["command"] == "plan" and payload["gpu"]["name"] == "A100-80GB"
     assert payload["budget_bytes"] == payload["gpu"]["usable_bytes"] == 81920 * 2**20 - 500 * 2**20
     assert payload["feasible"] is True and payload["fits_gpu"] is True and payload["recompute_seconds"] == 0.0
+    assert payload["recompute_bound_seconds"] is None  # no plan needed, nothing to bound
     for key, kind in [("predicted_peak_bytes", int), ("unplanned_peak_bytes", int), ("predicted_peak_phase", str),
                       ("unplanned_peak_phase", str), ("recompute_flops", int), ("step_flops", int),
                       ("recompute_overhead_pct", float), ("segments", list), ("excluded", list),
@@ -574,6 +575,8 @@ def test_a_selective_plan_file_reads_back_into_a_module(tmp_path):
                                  "--device", "cuda", "--selective", "--budget", str(budget), "--out", str(plan_path),
                                  "--json"])
     assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)  # what it recomputes, and the least any plan could (memplan.recompute_bound)
+    assert 0 < payload["recompute_bound_seconds"] <= payload["recompute_seconds"]
     kept = [op for s in json.loads(plan_path.read_text())["segments"] for op in s["saved_ops"]]
     assert kept  # op-level policies, which the plan file must carry through
     result = runner.invoke(app, ["emit", str(plan_path), "-o", str(module), "--json"])
