@@ -12,7 +12,9 @@ Per model and budget, two selective plans, each priced on the processor it is fo
 whether each plan's fp32 gradients equal eager's (dropout included, the same seed);
 and the same for the block-level optimal plan (memplan.planner.plan_checkpoints, which both get as a
 baseline, so each returns a plan that costs no more on its processor); the op-level reference figures
-(simulated time overhead, measured by its authors with their own cost model); the planning time (all DP
+(simulated time overhead, measured by its authors with their own cost model); the least any recompute
+plan needs (memplan.recompute_bound: FLOPs %, roofline GPU %, modelled CPU % without checkpointing's host
+time, each a proven lower bound on that measure); the planning time (all DP
 solves; a cold GPU-priced plan_selective call without baseline: estimator runs, the unplanned one
 included; how many plans the estimator ran on and how many memplan.replay replayed) and the DP's
 optimality gap over its policy families.
@@ -42,6 +44,7 @@ from tabulate import tabulate
 from memplan.closed_loop import EstimateCache
 from memplan.emit import apply_plan
 from memplan.planner import plan_checkpoints
+from memplan.recompute_bound import least_recompute
 from memplan.selective import plan_overhead, plan_selective
 from memplan.step import StepConfig, prepare_step, run_steps
 from memplan.verify import measure
@@ -145,6 +148,8 @@ def main() -> None:
                              for plan in fitting.values())
             block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu, cache)
             block_cpu_model = plan_overhead(workload, config, block.plan, "cpu", "cpu", cache)[1]
+            bounds = [least_recompute(workload, config, budget, "cpu", gpu, objective, cache).pct
+                      for gpu, objective in ((None, "flops"), (args.gpu, "seconds"), ("cpu", "seconds"))]
 
             ok = {method: plan is not None for method, plan in fitting.items()}
             rows.append([
@@ -156,7 +161,7 @@ def main() -> None:
                 _pct(on_cpu.seconds_overhead_pct, ok["CPU-priced"]), _pct(cpu_pct["CPU-priced"], ok["CPU-priced"]),
                 _pct(block_flops, ok["block-level"]), _pct(block_gpu, ok["block-level"]), _pct(block_cpu_model, ok["block-level"]),
                 _pct(cpu_pct["block-level"], ok["block-level"]),
-                OP_LEVEL_REFERENCE.get(frac, "-"),
+                OP_LEVEL_REFERENCE.get(frac, "-"), "/".join("inf" if math.isinf(b) else f"{b:.1f}" for b in bounds),
                 f"{on_gpu.solve_seconds:.2f}", f"{cold.plan_seconds:.1f}", f"{cold.rounds}/{cold.replays}", _gap(on_gpu),
                 f"{block_seconds:.1f}", grads, _described(on_gpu.plan), _described(on_cpu.plan),
             ])
@@ -164,7 +169,7 @@ def main() -> None:
     headers = ["model", "budget", "budget B",
                "GPU-priced predicted B", "measured B <= budget", "FLOPs%", "GPU%", "CPU%",
                "CPU-priced measured B <= budget", "FLOPs%", "CPU% model", "CPU%",
-               "block FLOPs%", "GPU%", "CPU% model", "CPU%", "op-level ref %",
+               "block FLOPs%", "GPU%", "CPU% model", "CPU%", "op-level ref %", "any plan >= FLOPs/GPU/CPU model %",
                "solve s", "plan s (cold)", "estimator runs/replays", "DP gap", "block plan s", "grads = eager (GPU, CPU, block)",
                "GPU-priced segments (module:saved ops)", "CPU-priced segments"]
     print(tabulate(rows, headers=headers))
