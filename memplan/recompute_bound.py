@@ -227,5 +227,6 @@ class _Forward:
                           constraints=constraints, options={"time_limit": SECONDS_PER_MILP})
         if result.status == 2:
             return math.inf
-        bound = result.mip_dual_bound if integral else result.fun
+        # the MILP's dual bound holds wherever it stopped; the LP's optimum only once it is one
+        bound = result.mip_dual_bound if integral else result.fun if result.status == 0 else None
         return max(0.0, float(bound) * scale) if bound is not None and np.isfinite(bound) else 0.0
