@@ -48,15 +48,22 @@ _KNOWN_LIMIT = 1 << 16
 
 
 def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
-                      *_: Any, **__: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+                      *_: Any, known: Callable[[Any], Any], **__: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
     """aten._ctc_loss: (neg_log_likelihood (batch,), log_alpha (batch, T, 2 * max_target_length + 1)),
     as LossCTC.cpp and LossCTC.cu allocate them. Fake tensors refuse it: the longest target is read
-    from the lengths. Padded 2-D targets give it by their width, integer-list lengths by their values
-    (both exact); concatenated 1-D targets with tensor lengths are bounded by all the targets."""
+    from the lengths. Padded 2-D targets give it by their width, integer-list lengths and tensor
+    lengths whose values are known (`known`) by their values (all exact); concatenated 1-D targets with
+    other tensor lengths are bounded by all the targets."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    lengths = known(target_lengths) if isinstance(target_lengths, torch.Tensor) else None
     if targets.dim() == 2:
         longest, exact = targets.shape[1], True
     elif isinstance(target_lengths, (list, tuple)):
         longest, exact = max(target_lengths, default=0), True
+    elif lengths is not None:
+        with _disable_current_modes():
+            longest, exact = int(lengths.max()) if lengths.numel() else 0, True
     else:
         longest, exact = targets.shape[0], False
     batch = log_probs.shape[1]
@@ -66,7 +73,8 @@ def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_leng
 
 
 def _grouped_mm_outputs(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
-                        bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, bool]:
+                        bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                        **_: Any) -> tuple[torch.Tensor, bool]:
     """aten._grouped_mm (transformers' mixture-of-experts layers, forward and backward): its meta
     kernel holds CUDA's checks and refuses any dtype but bf16, while the CPU kernel takes fp32 too.
     The output as both allocate it (torch's own _create_grouped_mm_output_tensor: CPU builds do not
@@ -79,8 +87,9 @@ def _grouped_mm_outputs(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Te
 
 
 # Ops whose fake kernel refuses to run (DynamicOutputShapeException, or checks of another device's
-# kernel) but whose output shapes the arguments give exactly or bound: -> ((outputs), exact). Not
-# exact: the estimate says approximate.
+# kernel) but whose output shapes the arguments give exactly or bound: (args, kwargs, known=the real
+# value of a tensor argument, None where unknown) -> ((outputs), exact). Not exact: the estimate says
+# approximate.
 _SHAPE_FROM_ARGUMENTS: dict[Any, Callable[..., tuple[Any, bool]]] = {
     torch.ops.aten._ctc_loss.default: _ctc_loss_outputs,
     torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs,
@@ -270,7 +279,7 @@ class _Recorder(TorchDispatchMode):
         if data_dependent:
             out = self._data_dependent(func, args, kwargs)
         elif func in _SHAPE_FROM_ARGUMENTS:
-            out, exact = _SHAPE_FROM_ARGUMENTS[func](*args, **kwargs)
+            out, exact = _SHAPE_FROM_ARGUMENTS[func](*args, **kwargs, known=self.known.value)
             if not exact:
                 self.approximate.append(str(func))
         else:
@@ -492,12 +501,14 @@ class _RealValues:
     ops from Python constants and other known values alone (or from real tensors, which are their own
     values), by running each op a second time, for real, with the modes disabled. An op that writes a
     known tensor otherwise (random init, an unknown operand) drops the values of every tensor over
-    that storage. `keeps` says which fake outputs may be known (size and dtype)."""
+    that storage. `keeps` says which fake outputs may be known (size and dtype). `draws`: random integer
+    and bool tensors are drawn for real too (token ids, labels: typical values, as a real run has)."""
 
-    def __init__(self, keeps: Callable[[torch.Tensor], bool]) -> None:
+    def __init__(self, keeps: Callable[[torch.Tensor], bool], draws: bool = False) -> None:
         from torch.utils.weak import WeakTensorKeyDictionary
 
         self.keeps = keeps
+        self.draws = draws  # random integer and bool tensors too (see `compute`)
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
 
@@ -517,9 +528,10 @@ class _RealValues:
             return value  # a real tensor (torch.tensor's data before lift_fresh) is its own value
         return self.real.get(value)
 
-    def compute(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor]) -> Any:
-        """The op's real outputs, or None where an operand's value is unknown (or the op fails)."""
-        if torch.Tag.nondeterministic_seeded in func.tags:
+    def compute(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor], random: bool = False) -> Any:
+        """The op's real outputs, or None where an operand's value is unknown (or the op fails). A random
+        op only where `random`: drawn for real, with the generators' states put back after."""
+        if torch.Tag.nondeterministic_seeded in func.tags and not random:
             return None
         if any(not (isinstance(t, FakeTensor) and t in self.real) for t in written):
             return None  # never write a real tensor that is not ours (a module-level constant)
@@ -533,11 +545,16 @@ class _RealValues:
         from torch.utils._python_dispatch import _disable_current_modes
 
         real_args, real_kwargs = tree_unflatten(real_flat, spec)
+        generators = [g for g in real_flat if isinstance(g, torch.Generator)] or [torch.default_generator]
+        states = [g.get_state() for g in generators]
         try:
             with _disable_current_modes():
                 return func(*real_args, **real_kwargs)
         except Exception:  # noqa: BLE001 - no value, no harm: unknown values read as before
             return None
+        finally:
+            for g, state in zip(generators, states):
+                g.set_state(state)
 
     def keep(self, fakes: list[Any], reals: list[Any]) -> None:
         """Pair the fake outputs with their real values (both flattened)."""
@@ -560,7 +577,8 @@ class _RealValues:
         real_out = None
         outputs = [t for t in flat_out if isinstance(t, FakeTensor)]
         if (outputs or written) and all(self.keeps(t) for t in outputs):
-            real_out = self.compute(func, args, kwargs, written)
+            random = self.draws and all(not t.is_floating_point() and not t.is_complex() for t in (*outputs, *written))
+            real_out = self.compute(func, args, kwargs, written, random)
         if real_out is None:
             if written and self.storages:
                 self.forget(written)
@@ -572,8 +590,10 @@ class _ConstantShadows(TorchDispatchMode):
     """While the factory builds the model under fake tensors, small tensors computed from constants
     alone (`torch.linspace(0, drop_path_rate, depth).tolist()`, `int(torch.tensor(sizes).prod())`)
     are also computed for real (`_RealValues`), so that reading their values back (`.item()`,
-    `.tolist()`) gives the real numbers instead of failing as data-dependent. Nothing here reaches
-    the traced step: the shadows go with the mode (the recorder keeps its own, `_Recorder.known`)."""
+    `.tolist()`) gives the real numbers instead of failing as data-dependent. The inputs it makes that
+    are small integer tensors (token ids, labels, drawn for real) pass their values on to the recorder
+    (`_Recorder.known`), so that the step's checks on them (`labels.max() >= vocab_size`) read as in a
+    real run; nothing else reaches the traced step."""
 
     LIMIT = 1 << 14  # elements per tensor
 
@@ -581,7 +601,7 @@ class _ConstantShadows(TorchDispatchMode):
         super().__init__()
         from torch.utils.weak import WeakTensorKeyDictionary
 
-        self.values = _RealValues(lambda t: t.numel() <= self.LIMIT)
+        self.values = _RealValues(lambda t: t.numel() <= self.LIMIT, draws=True)
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -664,13 +684,17 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     recorder = _Recorder(rules)
     calls: list[ModuleCall] = []
     with FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode():
-        with _ConstantShadows():
+        with _ConstantShadows() as shadows:
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
         _register_baseline(recorder, prepared)
+        for value in _input_tensors(prepared):
+            if value in shadows.values and recorder.known.keeps(value):
+                recorder.known.keep([value], [shadows.values.real[value]])
+        del shadows
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}
 
         def on_phase(phase: str, step: int) -> None:
@@ -729,10 +753,13 @@ def _register_baseline(recorder: _Recorder, prepared: PreparedStep) -> None:
         recorder.register(b, "weights")
     for _, master in prepared.master_pairs:
         recorder.register(master, "optimizer_state")  # fp32 master copies: optimizer state, as in ZeRO
+    for value in _input_tensors(prepared):
+        recorder.register(value, "inputs")
+
+
+def _input_tensors(prepared: PreparedStep) -> list[torch.Tensor]:
     values = prepared.inputs.values() if isinstance(prepared.inputs, dict) else prepared.inputs
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            recorder.register(value, "inputs")
+    return [value for value in values if isinstance(value, torch.Tensor)]
 
 
 def _all_params(prepared: PreparedStep) -> Iterator[torch.Tensor]:

@@ -192,6 +192,40 @@ def test_ctc_loss_with_padded_targets():
     assert not predicted.approximate
 
 
+def ctc_checked_labels(batch_size: int = 4):
+    """wav2vec2's CTC head: labels checked against the vocabulary, padded with -100, flattened by a mask
+    into 1-D targets whose lengths are tensors."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(8, 24, 3, padding=1)
+            self.out = nn.Linear(24, 10)
+
+        def forward(self, x, labels):
+            if labels.max() >= self.out.out_features:
+                raise ValueError("a label is outside the vocabulary")
+            log_probs = self.out(F.gelu(self.conv(x)).transpose(1, 2)).log_softmax(-1).transpose(0, 1)
+            mask = labels >= 0
+            input_lengths = torch.full((x.shape[0],), x.shape[-1], dtype=torch.long)
+            return F.ctc_loss(log_probs, labels.masked_select(mask), input_lengths, mask.sum(-1))
+
+    labels = torch.randint(1, 10, (batch_size, 30))
+    labels[:, 25:] = -100
+    return Net(), (torch.randn(batch_size, 8, 120), labels)
+
+
+def test_checks_on_drawn_integer_inputs_read_their_values():
+    """The factory's small integer draws (labels) are drawn for real while building, so the step's
+    check reads them as a real run does (it used to read True and raise), the mask selects what it
+    really selects, and the CTC targets' tensor lengths are known: exact, not approximate. The
+    generator's state is put back after each draw."""
+    state = torch.random.get_rng_state()
+    predicted, _ = _check(ctc_checked_labels, tolerance=1e-3)
+    assert not predicted.approximate
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 @pytest.mark.parametrize("loss", ["mse", "smooth_l1", "soft_margin", "bce"])
 def test_losses_reduced_into_an_input_sized_storage(loss):
     def reduced_loss(batch_size: int = 8):
