@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -236,7 +237,8 @@ def _least_recompute(workload, config, budget_bytes, device, card, cache):
         return None
     from memplan.recompute_bound import least_recompute
 
-    return least_recompute(workload, config, budget_bytes, device, card and card.name, cache=cache)
+    bound = least_recompute(workload, config, budget_bytes, device, card and card.name, cache=cache)
+    return bound if math.isfinite(bound.cost) else None  # finite wherever a plan fits; JSON has no infinity
 
 
 def _smallest_reached(plan) -> str:
