@@ -128,13 +128,13 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
         if moment > peak:
             peak, peak_event, peak_phase, peak_step = moment, index, phase, step
 
-    events = _in_place_accumulation(trace)
+    events = eager_events(trace)
     for index, event in enumerate(events):  # index: the position in eager order
         if event.kind == "phase":
             phase, step = event.phase, event.step
         elif event.kind == "alloc":
-            thread = _thread(phase)
-            if device.workspace_bytes and thread not in workspaces and trace.ops[event.op].name in device.workspace_ops:
+            thread = opened_workspace(device, workspaces, phase, trace.ops[event.op].name)
+            if thread is not None:
                 workspaces.add(thread)  # the library's workspace comes from the same allocator, once a thread
                 allocator.alloc(("workspace", thread), device.workspace_bytes)
             allocator.alloc(event.storage, size[event.storage])
@@ -181,7 +181,7 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
     )
 
 
-def _in_place_accumulation(trace: Trace) -> list[Event]:
+def eager_events(trace: Trace) -> list[Event]:
     """The events in eager order. Where the trace has an out-of-place sum `old + new` that eager
     PyTorch does in place (Op.accumulates_in_place) and `old` is freed right after it, eager added
     into `old`: replay that free before the sum's allocation, so the two never count at once."""
@@ -189,7 +189,7 @@ def _in_place_accumulation(trace: Trace) -> list[Event]:
 
 
 def in_place_sums(trace: Trace) -> dict[int, int]:
-    """Each storage that eager PyTorch sums into in place (see _in_place_accumulation): the op summing."""
+    """Each storage that eager PyTorch sums into in place (see eager_events): the op summing."""
     return _replay_in_place_sums(trace)[1]
 
 
@@ -228,6 +228,13 @@ def _no_op_between(trace: Trace, op: int, later: int) -> bool:
 def _thread(phase: str) -> str:
     """The thread running a phase: CUDA's autograd engine runs backward on a device thread of its own."""
     return "autograd" if phase == "backward" else "main"
+
+
+def opened_workspace(device: DeviceModel, opened: set[str], phase: str, op: str) -> str | None:
+    """The thread whose library workspace op `op`, run in `phase`, allocates (None: none, or already
+    `opened`): cuBLAS allocates one per thread, at its first matrix product."""
+    thread = _thread(phase)
+    return thread if device.workspace_bytes and thread not in opened and op in device.workspace_ops else None
 
 
 def _by_role(trace: Trace, size: dict[int, int], live: set[int]) -> dict[str, int]:

@@ -40,8 +40,8 @@ import numpy as np
 from memplan.closed_loop import EstimateCache
 from memplan.devices import DeviceModel, device_model
 from memplan.errors import BadInput
-from memplan.estimate import _in_place_accumulation, _thread
-from memplan.solvers import _stdout_to_stderr
+from memplan.estimate import eager_events, opened_workspace
+from memplan.solvers import highs_stdout_to_stderr
 from memplan.step import StepConfig
 from memplan.timing import CPU_NAME, TimeModel, op_seconds, time_model_for
 from memplan.trace import Op, Trace
@@ -105,7 +105,7 @@ def recompute_bound(trace: Trace, budget_bytes: int, cost: Callable[[Op], float]
     moments = [m for m in moments if trace.ops[m.op].step == step]
     most = sorted(moments, key=lambda m: -m.held)[:MOST_HELD_MOMENTS]
     stride = max(1, len(moments) // SPREAD_MOMENTS)
-    chosen = sorted({m.op: m for m in [*most, *moments[::stride]]}.values(), key=lambda m: m.op)
+    chosen = sorted({m.op: m for m in [*most, *moments[::stride][:SPREAD_MOMENTS]]}.values(), key=lambda m: m.op)
     forward = _Forward.of(trace, step, cost, device.block_bytes)
     relaxed = []
     for moment in chosen:
@@ -137,12 +137,13 @@ def _backward_moments(trace: Trace, device: DeviceModel) -> list[_Moment]:
     threads: set[str] = set()  # those whose workspace is allocated
     phase = ""
     moments = []
-    for event in _in_place_accumulation(trace):
+    for event in eager_events(trace):
         if event.kind == "phase":
             phase = event.phase
         elif event.kind == "alloc" and event.storage not in live:
-            if device.workspace_bytes and _thread(phase) not in threads and trace.ops[event.op].name in device.workspace_ops:
-                threads.add(_thread(phase))
+            thread = opened_workspace(device, threads, phase, trace.ops[event.op].name)
+            if thread is not None:
+                threads.add(thread)
                 held += device.workspace_bytes
             live.add(event.storage)
             held += device.block_bytes(trace.storages[event.storage].nbytes)
@@ -222,7 +223,7 @@ class _Forward:
         constraints.append(LinearConstraint(coo_array((v.astype(float), (i, j)), shape=(len(rows), n)).tocsr(),
                                             [lo for _, lo, _ in rows], [hi for _, _, hi in rows]))
         scale = float(self.costs.max()) or 1.0  # HiGHS's tolerances are absolute: costs of order one
-        with _stdout_to_stderr():
+        with highs_stdout_to_stderr():
             result = milp(self.costs / scale, integrality=np.full(n, int(integral)), bounds=Bounds(0, 1),
                           constraints=constraints, options={"time_limit": SECONDS_PER_MILP})
         if result.status == 2:

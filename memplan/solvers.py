@@ -525,7 +525,7 @@ def solve_milp(problem: ChainProblem, objective: str = "flops", time_limit_s: fl
         if delta_limit_bytes is not None:
             # + half a byte: byte counts are integers, so this admits exactly the selections that fit
             constraints.append(LinearConstraint(delta, -np.inf, (delta_limit_bytes + 0.5) / unit))
-        with _stdout_to_stderr():
+        with highs_stdout_to_stderr():
             result = milp(
                 objective_row, integrality=integrality, bounds=bounds, constraints=constraints, options=options
             )
@@ -545,7 +545,7 @@ def solve_milp(problem: ChainProblem, objective: str = "flops", time_limit_s: fl
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
+def highs_stdout_to_stderr() -> Iterator[None]:
     """HiGHS 1.12 (in scipy 1.17) now and then prints a stray debug line on the process's stdout
     (ERGO-Code/HiGHS#2783); send it to stderr, so that stdout stays clean for the CLI's output."""
     sys.stdout.flush()

@@ -531,7 +531,8 @@ class _RealValues:
     def compute(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor], random: bool = False) -> Any:
         """The op's real outputs, or None where an operand's value is unknown (or the op fails). A random
         op only where `random`: drawn for real, with the generators' states put back after."""
-        if torch.Tag.nondeterministic_seeded in func.tags and not random:
+        draw = torch.Tag.nondeterministic_seeded in func.tags
+        if draw and not random:
             return None
         if any(not (isinstance(t, FakeTensor) and t in self.real) for t in written):
             return None  # never write a real tensor that is not ours (a module-level constant)
@@ -545,7 +546,7 @@ class _RealValues:
         from torch.utils._python_dispatch import _disable_current_modes
 
         real_args, real_kwargs = tree_unflatten(real_flat, spec)
-        generators = [g for g in real_flat if isinstance(g, torch.Generator)] or [torch.default_generator]
+        generators = ([g for g in real_flat if isinstance(g, torch.Generator)] or [torch.default_generator]) if draw else []
         states = [g.get_state() for g in generators]
         try:
             with _disable_current_modes():

@@ -155,6 +155,20 @@ def test_plan_table_and_json_with_the_gpu_as_budget():
         assert isinstance(payload[key], kind), key
 
 
+def test_plan_without_scipy_skips_the_recompute_bound_with_a_note(monkeypatch):
+    """scipy is an optional dependency (the `plan` extra): without it the plan still comes back, the bound
+    is null and one line on stderr says why."""
+    unplanned = estimate(resolve_workload("gpt2", 2, TINY_OVERRIDES["gpt2"]), StepConfig(optimizer="sgd"), "cpu")
+    budget = int(unplanned.peak_bytes - 0.3 * unplanned.breakdown.activations)
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # import scipy.optimize now raises ImportError
+    result = runner.invoke(app, ["plan", "gpt2", "-b", "2", *TINY_GPT, "-o", "sgd", "--device", "cpu",
+                                 "--budget", str(budget), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["feasible"] and payload["segments"] and payload["recompute_bound_seconds"] is None
+    assert "not bounding what any plan recomputes: that needs scipy" in result.stderr
+
+
 def test_plan_needs_a_budget_or_a_gpu():
     result = runner.invoke(app, ["plan", "mlp", *TINY_MLP, "--device", "cpu"])
     assert result.exit_code == 1
