@@ -71,6 +71,7 @@ class ClosedLoop(Generic[S]):
     solve: Callable[[Setting], Candidate[S]]
     realise: Callable[[Plan], tuple[Plan, Estimate]]  # a draft -> (the plan re-estimated, the estimate)
     # (setting, its outcome that did not fit, scale) -> the next setting, the excess counted `scale` times;
+    # the same setting: solve at it again (what the outcome taught the solver's model may change its plan);
     # None: give up
     tighten: Callable[[Setting, Outcome[S], int], Setting | None]
     realised: dict[tuple[Segment, ...], Outcome[S]] = field(default_factory=dict)  # may be shared by loops
@@ -102,7 +103,7 @@ class ClosedLoop(Generic[S]):
             tighter = self.tighten(setting, outcome, scale)
             if tighter is None:
                 break
-            loose, setting = setting, tighter
+            loose, setting = (loose if tighter == setting else setting), tighter
         return Tightened(tuple(outcomes), setting, loose)
 
     def bisect(

@@ -33,7 +33,7 @@ from memplan.estimate import Estimate, estimate_of_trace
 from memplan.plan import Plan, Segment
 from memplan.step import StepConfig, precision_rule
 from memplan.timing import POLICY_BLIND
-from memplan.trace import Event, ModuleCall, Op, Storage, Trace
+from memplan.trace import Event, ModuleCall, Storage, Trace
 from memplan.workload import Workload
 
 RNG_STATE_BYTES = torch.get_rng_state().nbytes  # checkpoint stashes the CPU generator's state per call
@@ -214,10 +214,9 @@ def replay_plan(trace: Trace, plan: Plan, line: Timeline | None = None) -> Repla
 
 
 def estimate_replayed(workload: Workload, config: StepConfig, device: str, trace: Trace, plan: Plan,
-                      line: Timeline | None = None, gpu: str | None = None) -> tuple[Estimate, tuple[Op, ...]]:
-    """The estimate of `plan` replayed from the unplanned `trace`, and the ops it recomputes (step 0)."""
+                      line: Timeline | None = None, gpu: str | None = None) -> tuple[Estimate, Replayed]:
+    """The estimate of `plan` replayed from the unplanned `trace`, and the replay itself."""
     replayed = replay_plan(trace, plan, line)
-    again = tuple(trace.ops[i] for i in replayed.recomputed_ops)
     planned = estimate_of_trace(workload, config, device, replayed.trace, gpu=gpu,
-                                extra_flops=sum(op.flops for op in again))
-    return planned, again
+                                extra_flops=sum(trace.ops[i].flops for i in replayed.recomputed_ops))
+    return planned, replayed

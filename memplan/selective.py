@@ -106,6 +106,8 @@ OBJECTIVES = ("seconds", "flops")
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 3
 VERIFICATIONS = 4  # searches, each checked by the estimator (memplan.closed_loop.verified_search)
+_CHUNK = 256  # DP states judged together (_undominated): a chunk's pairs against one update of its grid
+_NEVER = np.iinfo(np.int64).max
 GRID = 32  # knapsack resolution: 1/GRID of a block's bytes, per byte dimension
 MAX_POLICIES = 24  # per block, after Pareto pruning (thinned evenly along held bytes beyond that)
 
@@ -620,28 +622,38 @@ def _chain_dp(options: list[list[_Option]], room: int | None, objective: str, re
 
 def _undominated(cost: np.ndarray, held: np.ndarray, peak: np.ndarray, forward: np.ndarray, resolution: int,
                  by_peak: bool) -> np.ndarray:
-    """Indices of the states to keep: none other costs no more with held, peak and forward held in no
-    higher cell of `resolution` bytes. by_peak (nothing fits): the smallest max(held, peak) first, bytes
-    alone decide."""
+    """Indices of the states to keep, in order (cost, then held and peak; by_peak, when nothing fits: the
+    smallest max(held, peak) first, bytes alone decide): those that no state before them matches or
+    beats in held, peak and forward held beyond held (the forward residues), each in cells of
+    `resolution` bytes. Whatever an earlier state beats, a kept one beats too (the relation is
+    transitive), so each state is judged against all the states before it, a chunk at a time."""
     q_held, q_peak = -(-held // resolution), -(-peak // resolution)
-    q_extra = -(-(forward - held) // resolution)  # forward held beyond held: the forward residues
+    levels, level = np.unique(-(-(forward - held) // resolution), return_inverse=True)
     order = np.lexsort((q_peak, q_held, cost)) if not by_peak else np.lexsort((cost, np.maximum(q_held, q_peak)))
-    # the cheapest state of each cell
-    cells = (q_held[order] * (int(q_peak.max()) + 1) + q_peak[order]) * (int(q_extra.max()) + 1) + q_extra[order]
-    _, first = np.unique(cells, return_index=True)
-    order = order[np.sort(first)]
-    # a running minimum of peak over kept states with held <= h and forward residues <= e, per residue
-    # level e present (few: sums of the residues of checkpointed blocks)
-    levels, level_of = np.unique(q_extra, return_inverse=True)
-    lowest_peak = np.full((len(levels), int(q_held.max()) + 1), np.iinfo(np.int64).max)
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    # within each cell of held and residues, only the states whose peak falls (vectorised)
+    cell = q_held * len(levels) + level
+    by_cell = np.lexsort((rank, cell))
+    peaks, cells = q_peak[by_cell], cell[by_cell]
+    first = np.r_[True, cells[1:] != cells[:-1]]
+    lowered = peaks - (np.cumsum(first) - 1) * (int(peaks.max()) + 1)  # each cell below all before it
+    lowest_before = np.r_[_NEVER, np.minimum.accumulate(lowered)[:-1]]
+    lowest_before[first] = _NEVER
+    survivors = by_cell[lowered < lowest_before]
+    survivors = survivors[np.argsort(rank[survivors])]
+    # across cells: lowest[e, h], the lowest peak of the states so far with residues <= e and held <= h
+    lowest = np.full((len(levels), int(q_held.max()) + 1), _NEVER)
     kept = []
-    for index in order:
-        e, h, p = level_of[index], q_held[index], q_peak[index]
-        if lowest_peak[e, h] <= p:
-            continue
-        kept.append(index)
-        np.minimum(lowest_peak[e:, h:], p, out=lowest_peak[e:, h:])
-    return np.array(kept, dtype=np.int64)
+    for chunk in np.array_split(survivors, max(1, -(-len(survivors) // _CHUNK))):
+        chunk = chunk[lowest[level[chunk], q_held[chunk]] > q_peak[chunk]]
+        e, h, p = level[chunk], q_held[chunk], q_peak[chunk]
+        earlier = np.triu(np.ones((len(chunk), len(chunk)), dtype=bool), 1)
+        kept.append(chunk[~(earlier & (e[:, None] <= e) & (h[:, None] <= h) & (p[:, None] <= p)).any(axis=0)])
+        grid = np.full(lowest.shape, _NEVER)
+        np.minimum.at(grid, (e, h), p)
+        np.minimum(lowest, np.minimum.accumulate(np.minimum.accumulate(grid, axis=0), axis=1), out=lowest)
+    return np.concatenate(kept)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -792,6 +804,10 @@ def _with_residues(blocks: Sequence[BlockProfile], residues: dict[str, int]) -> 
             for b in blocks]
 
 
+def _residues_of(blocks: Sequence[BlockProfile]) -> list[int]:
+    return [p.forward_residue_bytes for b in blocks for p in (b, *(part.profile for part in b.parts))]
+
+
 @dataclass(frozen=True)
 class _Problem:
     """One chain DP: the blocks, with the forward residues learnt by then, and the fixed bytes per phase."""
@@ -872,9 +888,12 @@ def plan_selective(
         return estimated[plan.segments]
 
     def replay(plan: Plan) -> tuple[Plan, Estimate]:
-        """The plan replayed from the unplanned trace (memplan.replay)."""
-        planned, again = estimate_replayed(workload, config, device, trace, plan, timeline, gpu)
-        seconds = sum(op_seconds(op, trace, clock) for op in again) + plan_checkpoint_seconds(trace, plan, clock)
+        """The plan replayed from the unplanned trace (memplan.replay), whose forward residues the chain DP
+        learns as from the estimator's runs: the replay holds autocast's casts as a planned forward does."""
+        planned, replayed = estimate_replayed(workload, config, device, trace, plan, timeline, gpu)
+        residues.update(_forward_residues(replayed.trace, plan, _checkpointable_paths(blocks), block_bytes))
+        seconds = (sum(op_seconds(trace.ops[i], trace, clock) for i in replayed.recomputed_ops)
+                   + plan_checkpoint_seconds(trace, plan, clock))
         return replace(plan, predicted_peak_bytes=planned.peak_bytes, recompute_seconds=seconds,
                        recompute_flops=planned.step_flops - unplanned.step_flops), planned
 
@@ -920,10 +939,15 @@ def plan_selective(
             return estimated.get(plan.segments) or replayed(plan)
 
         def tighten(margins: Setting, over: Outcome, scale: int) -> Setting | None:
-            """Add what the replay found over the target to the fixed bytes of the phase that peaked."""
+            """Add what the replay found over the target to the fixed bytes of the phase that peaked; but
+            where the forward peaked and its replay taught the DP forward residues it had not counted,
+            solve again as is (the residues now count what the margin would add)."""
             phase = over.planned.peak_phase
             if phase not in ("forward", "backward"):
                 return None
+            solved = over.solution.problem.blocks
+            if phase == "forward" and _residues_of(_with_residues(solved, residues)) != _residues_of(solved):
+                return margins
             excess = scale * max(1, over.planned.peak_bytes + correction - target)
             backward, forward = margins
             return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)

@@ -31,8 +31,8 @@ def _plan(workload: Workload, config: StepConfig, device: str, *segments: Segmen
 def _both(workload: Workload, config: StepConfig, device: str, plan: Plan):
     """(replayed estimate, its recomputed FLOPs, the estimator's on the planned model, the unplanned one)."""
     unplanned, trace = estimate_and_trace(workload, config, device)
-    fast, again = estimate_replayed(workload, config, device, trace, plan)
-    flops = sum(op.flops for op in again)
+    fast, replayed = estimate_replayed(workload, config, device, trace, plan)
+    flops = sum(trace.ops[i].flops for i in replayed.recomputed_ops)
     planned, _ = estimate_and_trace(workload, config, device, transform=lambda m: apply_plan(m, plan))
     return fast, flops, planned, unplanned
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from memplan.selective import (
     plan_overhead,
     plan_selective,
     profile_blocks,
+    _undominated,
     solve_selective_chain,
 )
 from memplan.step import StepConfig
@@ -287,6 +289,25 @@ def test_dp_with_a_coarse_resolution_reports_a_true_gap():
         assert best >= solution.recompute_seconds * (1 - solution.optimality_gap) - 1e-12
         exact = solve_selective_chain(blocks, 0, room, resolution=1)
         assert exact.recompute_seconds == pytest.approx(best) and exact.optimality_gap == 0.0
+
+
+@pytest.mark.parametrize("by_peak", [False, True])
+def test_dp_pruning_keeps_exactly_the_states_nothing_before_them_beats(by_peak):
+    """Against the definition, pair by pair: a state goes when one before it, in the DP's order, is no
+    worse in each cell of held, peak and forward residues (many states, chunks and ties)."""
+    rng = np.random.default_rng(0)
+    n, resolution = 3000, 7
+    held = rng.integers(0, 600, n)
+    peak = held + rng.integers(0, 300, n)
+    forward = held + rng.integers(0, 4, n) * 50  # a few residue levels
+    cost = (2000 - held - peak - (forward - held) + rng.integers(0, 200, n)) // 20 * 1.0  # more bytes, less cost; ties
+    q_held, q_peak, q_extra = (-(-x // resolution) for x in (held, peak, forward - held))
+    order = np.lexsort((q_peak, q_held, cost)) if not by_peak else np.lexsort((cost, np.maximum(q_held, q_peak)))
+    expected = [i for k, i in enumerate(order)
+                if not any(q_held[j] <= q_held[i] and q_peak[j] <= q_peak[i] and q_extra[j] <= q_extra[i]
+                           for j in order[:k])]
+    assert (2 if by_peak else 200) < len(expected) < n // 2  # by peak, few: bytes alone decide
+    assert _undominated(cost, held, peak, forward, resolution, by_peak).tolist() == expected
 
 
 def test_time_limit_stops_the_search_at_the_first_plan_that_fits():
