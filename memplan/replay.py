@@ -106,7 +106,7 @@ class Timeline:
         return op.phase == phase and op.step == step
 
 
-def _casts_weight(trace: Trace, storage: Storage) -> bool:
+def casts_weight(trace: Trace, storage: Storage) -> bool:
     """Whether the storage is a copy of a weight (autocast's cast of a parameter)."""
     op = trace.ops[storage.allocated_by]
     return op.name == "aten._to_copy.default" and any(trace.storages[s].role == "weights" for s in op.reads)
@@ -151,7 +151,7 @@ def replay_plan(trace: Trace, plan: Plan, line: Timeline | None = None) -> Repla
                          and line.forward_reads_within(s, first, end)}  # an ordered set
             # forward: held until the last reader, or the last call it was passed to, is done; autocast's
             # casts of the weights until the forward ends (its cache lets go as autocast exits)
-            held_until = {s: forward_end - 1 if autocast and _casts_weight(trace, storages[s]) else
+            held_until = {s: forward_end - 1 if autocast and casts_weight(trace, storages[s]) else
                           max([storages[s].allocated_by, *(r for r in line.readers[s] if first <= r < end)])
                           for s in recreated}
             for call in trace.calls:

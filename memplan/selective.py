@@ -85,9 +85,9 @@ from memplan.planner import (
     sibling_positions,
     unsafe_reason,
 )
-from memplan.replay import Timeline, estimate_replayed
+from memplan.replay import Timeline, casts_weight, estimate_replayed
 from memplan.solvers import Solution
-from memplan.step import StepConfig
+from memplan.step import StepConfig, precision_rule
 from memplan.timing import (
     CPU_NAME,
     POLICY_BLIND,
@@ -106,6 +106,11 @@ OBJECTIVES = ("seconds", "flops")
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 3
 VERIFICATIONS = 4  # searches, each checked by the estimator (memplan.closed_loop.verified_search)
+# The DP's forward residues (autocast's casts of the weights, a few per block, held until the forward
+# ends) are judged in cells this many times coarser than the rest: its states multiply with their levels
+# (llama2-7b's sub-block chain: 5.6 s a solve, against 83 s for its whole blocks in fine cells). Every
+# plan is replayed and re-estimated anyway; the gap's bound widens to match (solve_selective_chain).
+RESIDUE_CELL = 64
 _CHUNK = 256  # DP states judged together (_undominated): a chunk's pairs against one update of its grid
 _NEVER = np.iinfo(np.int64).max
 GRID = 32  # knapsack resolution: 1/GRID of a block's bytes, per byte dimension
@@ -128,6 +133,7 @@ class SavedCall:
     flops: int  # what keeping it saves in recomputation
     seconds: float
     excluded: str = ""  # why it may not be kept ("" = it may)
+    cast_bytes: int = 0  # of its needed bytes, autocast's casts of weights (see Policy.forward_residue_bytes)
 
     @property
     def op(self) -> str:
@@ -145,6 +151,9 @@ class Policy:
     flops: int
     seconds: float
     checkpointed: bool = True
+    # what a checkpointed forward of it holds until the forward ends beyond contrib_bytes: autocast's casts
+    # of the weights that it does not keep (autocast's cache lets them go as it exits, memplan.replay)
+    forward_residue_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,8 +167,9 @@ class BlockProfile:
     flops: int
     seconds: float
     grad_bytes: int = 0  # parameter gradients its backward allocates (0 when they outlive the step)
-    # bytes a checkpointed forward of it still holds when the forward ends, beyond its policy's
-    # contrib (autocast's cached weight casts, ...): learnt from re-estimated plans, 0 until then
+    stashed_bytes: int = 0  # its inputs that a checkpoint of it keeps and the step without one frees in forward
+    # bytes a checkpointed forward of it still holds when the forward ends, beyond what its policy says
+    # it holds (contrib and forward residue): learnt from replayed and re-estimated plans, 0 until then
     forward_residue_bytes: int = 0
     # finer segments under it (see SubBlock); () where the block is one unit of the chain
     parts: tuple[SubBlock, ...] = ()
@@ -167,6 +177,11 @@ class BlockProfile:
     @property
     def exclusions(self) -> tuple[tuple[str, str], ...]:
         return tuple((c.name, c.excluded) for c in self.calls if c.excluded)
+
+    @property
+    def full_residue_bytes(self) -> int:
+        """The forward residue of recomputing it whole."""
+        return next((p.forward_residue_bytes for p in self.policies if p.name == "full"), 0)
 
     @property
     def full_seconds(self) -> float:
@@ -212,16 +227,20 @@ def _forward_end(trace: Trace, start: int) -> int:
 
 def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[int], int], clock: TimeModel,
                   objective: str = "seconds", *, last: str | None = None,
-                  held_outputs: frozenset[int] | None = None) -> BlockProfile:
+                  held_outputs: frozenset[int] | None = None, autocast: bool = False) -> BlockProfile:
     """`last`: profile the run of sibling modules from `path` to `last` as one segment. `held_outputs`:
     count only these of its outputs as held until backward (None: all); a sub-block's output that
-    nothing saves (attn's, read by a residual add) is freed in forward, checkpointed or not."""
+    nothing saves (attn's, read by a residual add) is freed in forward, checkpointed or not. `autocast`:
+    the step runs under autocast, whose casts of the weights a checkpointed forward holds to its end."""
     call = trace.first_forward_call(path)
     tail = call if last is None else trace.first_forward_call(last)
     ops = trace.ops[call.first_op : tail.end_op]
     allocated = {s for op in ops for s in op.allocates}
     activations = {s for s in allocated if trace.storages[s].role == "activations"}
     outputs = {s for s in tail.outputs if s in allocated and (held_outputs is None or s in held_outputs)}
+    casts = {s for s in activations - outputs if autocast and casts_weight(trace, trace.storages[s])}
+    # a checkpoint keeps its inputs until its backward, also those the step without it frees in forward
+    stashed = {s for s in call.inputs if trace.storages[s].role == "temporaries"}
 
     def bb(storages: set[int]) -> int:
         return sum(block_bytes(trace.storages[s].nbytes) for s in storages)
@@ -251,6 +270,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
             held_bytes=bb(mine - outputs), needed_bytes=bb((mine & activations) - outputs), flops=op.flops,
             seconds=seconds[op.index],
             excluded=f"its output is mutated in place by {', '.join(written)} later in the forward" if written else "",
+            cast_bytes=bb(mine & casts),
         ))
     total_flops = sum(op.flops for op in ops)
     total_seconds = sum(seconds.values())
@@ -267,10 +287,11 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
         return Policy(
             name=name,
             saved_ops=tuple(c.name for c in saved),  # named as the policy runtime counts them below
-            contrib_bytes=output_bytes + sum(c.held_bytes for c in saved),
+            contrib_bytes=output_bytes + bb(stashed) + sum(c.held_bytes for c in saved),
             transient_bytes=transient_all - sum(c.needed_bytes for c in saved),
             flops=total_flops - sum(c.flops for c in saved),
             seconds=total_seconds - sum(c.seconds for c in saved) + overhead[bool(saved)],
+            forward_residue_bytes=bb(casts) - sum(c.cast_bytes for c in saved),
         )
 
     eligible = [c for c in calls if not c.excluded and (c.seconds > 0 or c.flops > 0)]
@@ -282,14 +303,15 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     subsets = _knapsack_subsets(priced, objective, max(1, -(-transient_all // GRID), -(-other // (4 * GRID))))
     candidates = [policy(f"knapsack-{i}", free + chosen) for i, chosen in enumerate(subsets)]
     block_level = [Policy("keep", (), keep_bytes, 0, 0, 0.0, checkpointed=False),
-                   Policy("full", (), output_bytes, transient_all, total_flops, total_seconds + overhead[False])]
+                   Policy("full", (), output_bytes + bb(stashed), transient_all, total_flops,
+                          total_seconds + overhead[False], forward_residue_bytes=bb(casts))]
     # keep and full stay (the block-level choices); the others only where neither beats them
     family = _pareto_policies(block_level + candidates, objective)
     by_name = {c.name: c for c in calls}
     policies = block_level + [replace(p, saved_ops=_saved_names([by_name[n] for n in p.saved_ops], order, calls_seen))
                               for p in family if p.saved_ops]
     return BlockProfile(path, group, tuple(calls), tuple(policies), keep_bytes, output_bytes, total_flops,
-                        total_seconds)
+                        total_seconds, stashed_bytes=bb(stashed))
 
 
 def _saved_names(saved: Sequence[SavedCall], order: dict[str, int], calls_per_op: dict[str, int]) -> tuple[str, ...]:
@@ -496,7 +518,8 @@ def _options(blocks: Sequence[BlockProfile], recompute_offset: int = 0) -> list[
 
     def option(policy: Policy, start: int, end: int, members: Sequence[BlockProfile],
                modules: tuple[str, ...]) -> _Option:
-        residue = sum(m.forward_residue_bytes for m in members) if policy.checkpointed else 0
+        learnt = sum(m.forward_residue_bytes for m in members)
+        residue = policy.forward_residue_bytes + learnt if policy.checkpointed else 0
         return _Option(end, policy, policy.transient_bytes + later_grads[end] + recompute_offset,
                        policy.contrib_bytes + residue, sum(m.activation_bytes for m in members), modules)
 
@@ -511,8 +534,10 @@ def _options(blocks: Sequence[BlockProfile], recompute_offset: int = 0) -> list[
         while block.group and j < len(blocks) and blocks[j].group == block.group:
             run = blocks[i : j + 1]
             everything = sum(b.activation_bytes for b in run)
-            policy = Policy(f"full-run-{len(run)}", (), run[-1].output_bytes, everything - run[-1].output_bytes,
-                            sum(b.flops for b in run), sum(b.full_seconds for b in run))
+            policy = Policy(f"full-run-{len(run)}", (), run[-1].output_bytes + block.stashed_bytes,
+                            everything - run[-1].output_bytes,
+                            sum(b.flops for b in run), sum(b.full_seconds for b in run),
+                            forward_residue_bytes=sum(b.full_residue_bytes for b in run))
             options[first].append(option(policy, first, starts[j + 1], run, tuple(b.path for b in run)))
             j += 1
     return options
@@ -534,12 +559,13 @@ def solve_selective_chain(blocks: Sequence[BlockProfile], fixed_bytes: int, budg
     contrib so far, the largest Σ_{i<=j} contrib_i + (its backward bytes above, see _options) and
     Σ_{i<j} forward held_i + allocated_j (+ the forward's fixed bytes less the backward's) so far, and Σ
     forward held so far. A state is dropped when it no longer fits, or when another costs no more and is
-    within `resolution` bytes in held and peak (default: 1/1024 of the room), which bounds the states per
-    boundary. With resolution 1 that is exact. Otherwise the dropped state's future is open to its
-    substitute with at most `resolution` more bytes per boundary, so the same DP with the room widened by
-    n x resolution (n: the units) costs no more than the optimum: a lower bound, and the gap reported is
-    (cost - bound) / cost (bound=False: not computed, nan). When nothing fits, the smallest modelled peak
-    is returned (feasible=False)."""
+    within `resolution` bytes in held and peak (default: 1/1024 of the room) and RESIDUE_CELL x
+    `resolution` in forward residues (forward held less held), which bounds the states per boundary.
+    With resolution 1 that is exact. Otherwise the dropped state's future is open to its substitute with
+    at most `resolution` more bytes per boundary in held and peak, and that plus the residues' cell in
+    forward held, so the same DP with the room widened by n times that (n: the units) costs no more than
+    the optimum: a lower bound, and the gap reported is (cost - bound) / cost (bound=False: not computed,
+    nan). When nothing fits, the smallest modelled peak is returned (feasible=False)."""
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     started = time.perf_counter()
@@ -547,6 +573,7 @@ def solve_selective_chain(blocks: Sequence[BlockProfile], fixed_bytes: int, budg
     forward_offset = 0 if forward_fixed_bytes is None else forward_fixed_bytes - fixed_bytes
     options = _options(blocks, 0 if recompute_fixed_bytes is None else recompute_fixed_bytes - fixed_bytes)
     resolution = resolution or max(1, room // 1024)
+    residues = any(o.forward_held > o.policy.contrib_bytes for starting in options for o in starting)
     found = _chain_dp(options, room, objective, resolution, forward_offset)
     gap = 0.0
     if found is None:  # the smallest peak: on a grid of the bytes at stake, however small the room
@@ -556,7 +583,8 @@ def solve_selective_chain(blocks: Sequence[BlockProfile], fixed_bytes: int, budg
     elif not bound:
         gap = float("nan")
     elif resolution > 1 and found[0] > 0:
-        bound = _chain_dp(options, room + len(options) * resolution, objective, resolution, forward_offset)
+        drift = resolution * (1 + (RESIDUE_CELL if residues else 0))  # per unit, at most (see above)
+        bound = _chain_dp(options, room + len(options) * drift, objective, resolution, forward_offset)
         gap = max(0.0, (found[0] - bound[0]) / found[0])
     _, held, peak, path, explored = found
     choices = tuple(Choice(start, o.end - 1, o.policy, o.modules) for start, o in path if o.policy.checkpointed)
@@ -624,11 +652,12 @@ def _undominated(cost: np.ndarray, held: np.ndarray, peak: np.ndarray, forward: 
                  by_peak: bool) -> np.ndarray:
     """Indices of the states to keep, in order (cost, then held and peak; by_peak, when nothing fits: the
     smallest max(held, peak) first, bytes alone decide): those that no state before them matches or
-    beats in held, peak and forward held beyond held (the forward residues), each in cells of
-    `resolution` bytes. Whatever an earlier state beats, a kept one beats too (the relation is
+    beats in held and peak, in cells of `resolution` bytes, and in forward held beyond held (the forward
+    residues), in cells RESIDUE_CELL times as large (exact at resolution 1). Whatever an earlier state beats, a kept one beats too (the relation is
     transitive), so each state is judged against all the states before it, a chunk at a time."""
     q_held, q_peak = -(-held // resolution), -(-peak // resolution)
-    levels, level = np.unique(-(-(forward - held) // resolution), return_inverse=True)
+    residue_cell = resolution * RESIDUE_CELL if resolution > 1 else 1
+    levels, level = np.unique(-(-(forward - held) // residue_cell), return_inverse=True)
     order = np.lexsort((q_peak, q_held, cost)) if not by_peak else np.lexsort((cost, np.maximum(q_held, q_peak)))
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
@@ -701,15 +730,15 @@ def _segments(solution: SelectiveSolution) -> tuple[Segment, ...]:
 
 
 def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str = "seconds",
-                   peak_event: int | None = None) -> tuple[Candidates, tuple[BlockProfile, ...]]:
+                   peak_event: int | None = None, autocast: bool = False) -> tuple[Candidates, tuple[BlockProfile, ...]]:
     """The candidate blocks with their policies and sub-blocks. `peak_event`: the unplanned peak's index in
     trace.events; the gradients allocated by then are in the fixed bytes already, so the units last in
-    the chain (first in backward) allocate that much less."""
+    the chain (first in backward) allocate that much less. `autocast`: as profile_block's."""
     block_bytes = device_model(device).block_bytes
     candidates = candidate_blocks(trace, block_bytes)
 
     def profile(path: str, group: str, **kwargs) -> BlockProfile:
-        return profile_block(trace, path, group, block_bytes, clock, objective, **kwargs)
+        return profile_block(trace, path, group, block_bytes, clock, objective, autocast=autocast, **kwargs)
 
     unique = list({b.path: b for b in candidates.blocks}.values())  # a path listed twice is one block
     safety = _Safety.of(trace)
@@ -766,9 +795,11 @@ def _gradient_bytes(trace: Trace, ranges: Sequence[tuple[int, int]], block_bytes
     return grads
 
 
-def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Callable[[int], int]) -> dict[str, int]:
-    """Per block or sub-block module that `plan` (re-estimated as `trace`) checkpoints alone, the bytes its
-    forward still holds when the forward phase ends, beyond what its policy keeps (Segment.activation_bytes)."""
+def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Callable[[int], int],
+                      modelled: dict[tuple[str, tuple[str, ...]], int]) -> dict[str, int]:
+    """Per block or sub-block module that `plan` (replayed or re-estimated as `trace`) checkpoints alone,
+    the bytes its forward still holds when the forward phase ends, beyond what its policy keeps
+    (Segment.activation_bytes) and its modelled forward residue (`modelled`, by path and saved ops)."""
     freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
     residues = {}
     for segment in plan.segments:
@@ -779,13 +810,20 @@ def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Ca
         last = _forward_end(trace, call.first_op) - 1  # freed after the forward's last op: held to its end
         held = {s for op in trace.ops[call.first_op : call.end_op] for s in op.allocates
                 if freed_after.get(s, len(trace.ops)) >= last}
-        residues[path] = max(0, sum(block_bytes(trace.storages[s].nbytes) for s in held) - segment.activation_bytes)
+        residues[path] = max(0, sum(block_bytes(trace.storages[s].nbytes) for s in held) - segment.activation_bytes
+                             - modelled.get((path, segment.saved_ops), 0))
     return residues
 
 
 def _checkpointable_paths(blocks: Sequence[BlockProfile]) -> set[str]:
     """The modules a segment may checkpoint alone: the blocks, and their sub-blocks of one module."""
     return {b.path for b in blocks} | {p.modules[0] for b in blocks for p in b.parts if len(p.modules) == 1}
+
+
+def _modelled_residues(blocks: Sequence[BlockProfile]) -> dict[tuple[str, tuple[str, ...]], int]:
+    """Each policy's forward residue, by the path it checkpoints and the ops it saves."""
+    return {(p.path, q.saved_ops): q.forward_residue_bytes
+            for b in blocks for p in (b, *(part.profile for part in b.parts)) for q in p.policies if q.checkpointed}
 
 
 def _with_residues(blocks: Sequence[BlockProfile], residues: dict[str, int]) -> list[BlockProfile]:
@@ -862,7 +900,8 @@ def plan_selective(
     gpu = _card(device, processor)
     unplanned, trace = cache.estimate(workload, config, device, gpu)
     peak_event = unplanned.simulation.peak_event if unplanned.simulation is not None else None
-    candidates, blocks = profile_blocks(trace, device, clock, objective, peak_event)
+    candidates, blocks = profile_blocks(trace, device, clock, objective, peak_event,
+                                        autocast=precision_rule(config.precision).autocast_dtype is not None)
     fixed = max(0, unplanned.peak_bytes - sum(b.activation_bytes for b in blocks))
     forward_peak = unplanned.phase_peaks.get("forward")
     forward_fixed = None if forward_peak is None else max(0, forward_peak - sum(b.activation_bytes for b in blocks))
@@ -871,7 +910,8 @@ def plan_selective(
     base_seconds = step_seconds(trace, clock)
     method = f"selective-dp ({objective})"
 
-    residues: dict[str, int] = {}  # learnt from each re-estimated plan, per block checkpointed alone
+    residues: dict[str, int] = {}  # learnt from each replayed or re-estimated plan, per block checkpointed alone
+    paths, modelled = _checkpointable_paths(blocks), _modelled_residues(blocks)
     block_bytes = device_model(device, gpu).block_bytes
     estimated: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans the estimator ran on
     timeline = Timeline(trace)
@@ -880,7 +920,7 @@ def plan_selective(
         """The estimator on the planned model: the truth every plan returned is judged by."""
         if plan.segments not in estimated:
             planned, planned_trace = cache.realise(workload, config, device, plan, gpu)
-            residues.update(_forward_residues(planned_trace, plan, _checkpointable_paths(blocks), block_bytes))
+            residues.update(_forward_residues(planned_trace, plan, paths, block_bytes, modelled))
             seconds = max(0.0, recompute_seconds(trace, planned_trace, plan, clock))
             estimated[plan.segments] = (replace(
                 plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
@@ -891,7 +931,7 @@ def plan_selective(
         """The plan replayed from the unplanned trace (memplan.replay), whose forward residues the chain DP
         learns as from the estimator's runs: the replay holds autocast's casts as a planned forward does."""
         planned, replayed = estimate_replayed(workload, config, device, trace, plan, timeline, gpu)
-        residues.update(_forward_residues(replayed.trace, plan, _checkpointable_paths(blocks), block_bytes))
+        residues.update(_forward_residues(replayed.trace, plan, paths, block_bytes, modelled))
         seconds = (sum(op_seconds(trace.ops[i], trace, clock) for i in replayed.recomputed_ops)
                    + plan_checkpoint_seconds(trace, plan, clock))
         return replace(plan, predicted_peak_bytes=planned.peak_bytes, recompute_seconds=seconds,

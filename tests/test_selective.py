@@ -14,12 +14,13 @@ from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
 from memplan.planner import plan_checkpoints
 from memplan.selective import (
+    RESIDUE_CELL,
     BlockProfile,
     Policy,
+    _undominated,
     plan_overhead,
     plan_selective,
     profile_blocks,
-    _undominated,
     solve_selective_chain,
 )
 from memplan.step import StepConfig
@@ -299,9 +300,10 @@ def test_dp_pruning_keeps_exactly_the_states_nothing_before_them_beats(by_peak):
     n, resolution = 3000, 7
     held = rng.integers(0, 600, n)
     peak = held + rng.integers(0, 300, n)
-    forward = held + rng.integers(0, 4, n) * 50  # a few residue levels
-    cost = (2000 - held - peak - (forward - held) + rng.integers(0, 200, n)) // 20 * 1.0  # more bytes, less cost; ties
-    q_held, q_peak, q_extra = (-(-x // resolution) for x in (held, peak, forward - held))
+    forward = held + rng.integers(0, 4, n) * resolution * RESIDUE_CELL // 2  # a few residue levels
+    cost = (2000 - held - peak + rng.integers(0, 200, n)) // 20 * 1.0  # more bytes, less cost; ties
+    q_held, q_peak = (-(-x // resolution) for x in (held, peak))
+    q_extra = -(-(forward - held) // (resolution * RESIDUE_CELL))
     order = np.lexsort((q_peak, q_held, cost)) if not by_peak else np.lexsort((cost, np.maximum(q_held, q_peak)))
     expected = [i for k, i in enumerate(order)
                 if not any(q_held[j] <= q_held[i] and q_peak[j] <= q_peak[i] and q_extra[j] <= q_extra[i]
@@ -368,6 +370,37 @@ def test_sub_blocks_partition_each_block():
     # attn's output is read by a residual add only: freed in forward, so a checkpointed attn holds nothing
     attn = next(u for u in block.units if u.path == "h.1.attn")
     assert min(p.contrib_bytes for p in attn.policies) == 0
+
+
+@pytest.mark.parametrize("precision", ["amp-bf16", "fp32"])
+def test_checkpointed_forwards_hold_autocast_casts_and_stashed_inputs(precision):
+    """Checkpointed, a block's forward holds autocast's bf16 copies of its weights until the forward ends
+    (autocast's cache), but those its policy keeps, which it holds until backward; and a checkpoint keeps
+    its inputs until backward, even where the step without it frees them in forward (feed_forward's
+    input under autocast, the fp32 norm output that its matmuls read as bf16 copies)."""
+    batch, config = 2, dict(TINY_OVERRIDES["llama2-7b"], n_layer=2)
+    workload = resolve_workload("llama2-7b", batch, config)
+    _, trace = estimate_and_trace(workload, StepConfig(precision=precision, optimizer="sgd", steps=1), "cpu")
+    _, blocks = profile_blocks(trace, "cpu", time_model("h100"), autocast=precision == "amp-bf16")
+    model, _ = workload.build()
+
+    def cast_bytes(path: str) -> int:  # bf16 copies of its Linear weights
+        linears = [m for m in model.get_submodule(path).modules() if isinstance(m, nn.Linear)]
+        return sum(2 * m.weight.numel() for m in linears) if precision == "amp-bf16" else 0
+
+    layers = [b for b in blocks if b.path.startswith("layers.")]
+    assert len(layers) == 2
+    for block in layers:
+        ffn = next(p.profile for p in block.parts if p.modules == (f"{block.path}.feed_forward",))
+        for unit in (block, ffn):
+            full = next(p for p in unit.policies if p.name == "full")
+            assert full.forward_residue_bytes == cast_bytes(unit.path) > 0 or precision == "fp32"
+            for policy in unit.policies:
+                kept = sum(c.cast_bytes for c in unit.calls if c.name in policy.saved_ops or c.op in policy.saved_ops)
+                assert policy.forward_residue_bytes == (full.forward_residue_bytes - kept if policy.checkpointed else 0)
+        ffn_full = next(p for p in ffn.policies if p.name == "full")
+        stashed = batch * config["seq_len"] * config["n_embd"] * 4 if precision == "amp-bf16" else 0
+        assert ffn_full.contrib_bytes == ffn.output_bytes + stashed
 
 
 def test_sub_blocks_reach_below_the_whole_block_chain():
