@@ -653,8 +653,9 @@ def _undominated(cost: np.ndarray, held: np.ndarray, peak: np.ndarray, forward: 
     """Indices of the states to keep, in order (cost, then held and peak; by_peak, when nothing fits: the
     smallest max(held, peak) first, bytes alone decide): those that no state before them matches or
     beats in held and peak, in cells of `resolution` bytes, and in forward held beyond held (the forward
-    residues), in cells RESIDUE_CELL times as large (exact at resolution 1). Whatever an earlier state beats, a kept one beats too (the relation is
-    transitive), so each state is judged against all the states before it, a chunk at a time."""
+    residues), in cells RESIDUE_CELL times as large (exact at resolution 1). Whatever an earlier state
+    beats, a kept one beats too (the relation is transitive), so each state is judged against all the
+    states before it, a chunk at a time."""
     q_held, q_peak = -(-held // resolution), -(-peak // resolution)
     residue_cell = resolution * RESIDUE_CELL if resolution > 1 else 1
     levels, level = np.unique(-(-(forward - held) // residue_cell), return_inverse=True)
@@ -795,35 +796,33 @@ def _gradient_bytes(trace: Trace, ranges: Sequence[tuple[int, int]], block_bytes
     return grads
 
 
-def _forward_residues(trace: Trace, plan: Plan, paths: set[str], block_bytes: Callable[[int], int],
+def _forward_residues(trace: Trace, plan: Plan, block_bytes: Callable[[int], int],
                       modelled: dict[tuple[str, tuple[str, ...]], int]) -> dict[str, int]:
     """Per block or sub-block module that `plan` (replayed or re-estimated as `trace`) checkpoints alone,
-    the bytes its forward still holds when the forward phase ends, beyond what its policy keeps
-    (Segment.activation_bytes) and its modelled forward residue (`modelled`, by path and saved ops)."""
+    the bytes its forward allocates and still holds when the forward phase ends, beyond what the DP
+    models it to (`modelled`, by path and saved ops: see _modelled_holds)."""
     freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
     residues = {}
     for segment in plan.segments:
         path = segment.modules[0]
-        if len(segment.modules) != 1 or path not in paths:
+        if len(segment.modules) != 1 or (path, segment.saved_ops) not in modelled:
             continue
         call = trace.first_forward_call(path)
         last = _forward_end(trace, call.first_op) - 1  # freed after the forward's last op: held to its end
         held = {s for op in trace.ops[call.first_op : call.end_op] for s in op.allocates
                 if freed_after.get(s, len(trace.ops)) >= last}
-        residues[path] = max(0, sum(block_bytes(trace.storages[s].nbytes) for s in held) - segment.activation_bytes
-                             - modelled.get((path, segment.saved_ops), 0))
+        residues[path] = max(0, sum(block_bytes(trace.storages[s].nbytes) for s in held)
+                             - modelled[path, segment.saved_ops])
     return residues
 
 
-def _checkpointable_paths(blocks: Sequence[BlockProfile]) -> set[str]:
-    """The modules a segment may checkpoint alone: the blocks, and their sub-blocks of one module."""
-    return {b.path for b in blocks} | {p.modules[0] for b in blocks for p in b.parts if len(p.modules) == 1}
-
-
-def _modelled_residues(blocks: Sequence[BlockProfile]) -> dict[tuple[str, tuple[str, ...]], int]:
-    """Each policy's forward residue, by the path it checkpoints and the ops it saves."""
-    return {(p.path, q.saved_ops): q.forward_residue_bytes
-            for b in blocks for p in (b, *(part.profile for part in b.parts)) for q in p.policies if q.checkpointed}
+def _modelled_holds(blocks: Sequence[BlockProfile]) -> dict[tuple[str, tuple[str, ...]], int]:
+    """By the module a segment checkpoints alone (a block, or a sub-block of one module) and the ops its
+    policy saves: what the DP models its forward to allocate and hold until the forward ends (its
+    contrib but the inputs it stashes, and its forward residue)."""
+    return {(unit.path, policy.saved_ops): policy.contrib_bytes - unit.stashed_bytes + policy.forward_residue_bytes
+            for b in blocks for unit in (b, *(part.profile for part in b.parts if len(part.modules) == 1))
+            for policy in unit.policies if policy.checkpointed}
 
 
 def _with_residues(blocks: Sequence[BlockProfile], residues: dict[str, int]) -> list[BlockProfile]:
@@ -911,7 +910,7 @@ def plan_selective(
     method = f"selective-dp ({objective})"
 
     residues: dict[str, int] = {}  # learnt from each replayed or re-estimated plan, per block checkpointed alone
-    paths, modelled = _checkpointable_paths(blocks), _modelled_residues(blocks)
+    modelled = _modelled_holds(blocks)
     block_bytes = device_model(device, gpu).block_bytes
     estimated: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans the estimator ran on
     timeline = Timeline(trace)
@@ -920,7 +919,7 @@ def plan_selective(
         """The estimator on the planned model: the truth every plan returned is judged by."""
         if plan.segments not in estimated:
             planned, planned_trace = cache.realise(workload, config, device, plan, gpu)
-            residues.update(_forward_residues(planned_trace, plan, paths, block_bytes, modelled))
+            residues.update(_forward_residues(planned_trace, plan, block_bytes, modelled))
             seconds = max(0.0, recompute_seconds(trace, planned_trace, plan, clock))
             estimated[plan.segments] = (replace(
                 plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
@@ -931,7 +930,7 @@ def plan_selective(
         """The plan replayed from the unplanned trace (memplan.replay), whose forward residues the chain DP
         learns as from the estimator's runs: the replay holds autocast's casts as a planned forward does."""
         planned, replayed = estimate_replayed(workload, config, device, trace, plan, timeline, gpu)
-        residues.update(_forward_residues(replayed.trace, plan, paths, block_bytes, modelled))
+        residues.update(_forward_residues(replayed.trace, plan, block_bytes, modelled))
         seconds = (sum(op_seconds(trace.ops[i], trace, clock) for i in replayed.recomputed_ops)
                    + plan_checkpoint_seconds(trace, plan, clock))
         return replace(plan, predicted_peak_bytes=planned.peak_bytes, recompute_seconds=seconds,
@@ -947,6 +946,15 @@ def plan_selective(
 
     solve_seconds = 0.0
 
+    def draft(segments: tuple[Segment, ...], method: str) -> Plan:
+        """A plan of these segments, its figures not filled in yet."""
+        return Plan(
+            model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
+            optimizer=config.optimizer, grad_accum=config.grad_accum, device=device, method=method,
+            segments=segments, feasible=False, budget_bytes=budget_bytes, predicted_peak_bytes=0,
+            unplanned_peak_bytes=unplanned.peak_bytes, recompute_flops=0, step_flops=unplanned.step_flops,
+            options=dict(workload.options))
+
     def solver(chain: Sequence[BlockProfile], correction: int) -> Callable[[Setting], Candidate[_Solved]]:
         """Solve `chain` with the setting's (backward, forward) margins added to the fixed bytes, to fit
         the target less the search's correction."""
@@ -958,13 +966,7 @@ def plan_selective(
                                (fixed if forward_fixed is None else forward_fixed) + forward, recompute_fixed + backward)
             solution = problem.solve(target - correction, objective, bound=False)
             solve_seconds += solution.solve_seconds
-            draft = Plan(
-                model=workload.spec, batch_size=workload.effective_batch_size, precision=config.precision,
-                optimizer=config.optimizer, grad_accum=config.grad_accum, device=device, method=method,
-                segments=_segments(solution), feasible=False, budget_bytes=budget_bytes,
-                predicted_peak_bytes=0, unplanned_peak_bytes=unplanned.peak_bytes, recompute_flops=0,
-                step_flops=unplanned.step_flops, options=dict(workload.options))
-            return Candidate(draft, solution.feasible, _Solved(solution, problem))
+            return Candidate(draft(_segments(solution), method), solution.feasible, _Solved(solution, problem))
 
         return solve
 
@@ -1007,7 +1009,11 @@ def plan_selective(
         return list(loop.realised.values())
 
     searched: dict[tuple[Segment, ...], Outcome[_Solved]] = {}
-    verified_search(search, realise, cost, VERIFICATIONS, in_time)
+    if unplanned.peak_bytes <= target:  # the step fits as it is: no plan, whatever a plan would cost
+        realise(draft((), "none"))
+        baselines = ()
+    else:
+        verified_search(search, realise, cost, VERIFICATIONS, in_time)
     if baselines is None:  # a refinement like the others, skipped past the time limit unless nothing fits
         baselines = ()
         if in_time() or not any(plan.feasible for plan, _ in estimated.values()):

@@ -325,6 +325,16 @@ def test_time_limit_stops_the_search_at_the_first_plan_that_fits():
     assert not math.isnan(unlimited.solution.optimality_gap)
 
 
+def test_a_step_that_fits_gets_no_plan_and_no_search():
+    """Where the step fits without checkpoints, a plan could only add: none is returned, none searched
+    (on llama2-7b at 64 GiB a zero-cost plan of kept outputs had peaked 1 GiB above the step without one)."""
+    workload = _gpt(n_layer=2)
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
+    result = plan_selective(workload, CONFIG, int(1.01 * unplanned.peak_bytes), device="cpu", processor=GPU)
+    assert result.plan.feasible and result.plan.segments == () and result.plan.method == "none"
+    assert result.plan.predicted_peak_bytes == unplanned.peak_bytes and result.replays == 0
+
+
 def test_a_selective_plan_that_does_not_fit_is_never_above_no_plan():
     """Checkpointing these small layers keeps more (each segment's input) than it frees."""
     from memplan.workload import Workload
