@@ -69,6 +69,7 @@ def compute_heavy_seconds_per_byte(runs: int) -> dict[str, float]:
         "aten.bernoulli_.float": lambda: x.clone().bernoulli_(0.9),  # less the clone's time, below
         "aten.native_dropout.default": partial(torch.native_dropout, x, 0.1, True),
         "aten.gelu.default": partial(torch.nn.functional.gelu, x),
+        "aten.gelu.default[tanh]": partial(torch.nn.functional.gelu, x, approximate="tanh"),
         "aten.silu.default": partial(torch.nn.functional.silu, x),
         "aten.sigmoid.default": partial(torch.sigmoid, x),
         "aten.tanh.default": partial(torch.tanh, x),

@@ -52,7 +52,8 @@ class TimeModel:
     # hooks), and per op of a selective segment's forward (the policy's dispatch modes, both passes)
     checkpoint_seconds_per_saved_tensor: float = 0.0
     selective_seconds_per_op: float = 0.0
-    # ops that compute far more per element than they move: seconds per byte of output (serial models only)
+    # ops that compute far more per element than they move: seconds per byte of output (serial models only),
+    # by op name, or "name[variant]" where an argument changes the cost (memplan.trace.Op.variant)
     seconds_per_output_byte: Mapping[str, float] = field(default_factory=dict)
 
     def seconds(self, flops: float, bytes_moved: float, op: str = "", output_bytes: int = 0) -> float:
@@ -72,7 +73,8 @@ class TimeModel:
         return f"{self.name} (roofline over each op's FLOPs and bytes at peak rates: a lower bound)"
 
 
-# benchmarks/results/cpu_calibration.txt: 2 threads, fp32 (other precisions are priced alike)
+# benchmarks/results/cpu_calibration.txt: 2 threads, fp32 (other precisions are priced alike); GELU's tanh
+# form from its second run
 CPU = TimeModel(
     CPU_NAME, flops_per_s=186e9, bytes_per_s=141e9, serial=True, seconds_per_op=2.8e-6,
     checkpoint_seconds_per_saved_tensor=11e-6, selective_seconds_per_op=18e-6,
@@ -81,6 +83,7 @@ CPU = TimeModel(
         "aten.bernoulli_.Tensor": 1.5e-9,
         "aten.native_dropout.default": 1.6e-9,
         "aten.gelu.default": 6.0e-11,
+        "aten.gelu.default[tanh]": 2.1e-10,
         "aten.silu.default": 5.4e-11,
         "aten.sigmoid.default": 5.7e-11,
         "aten.tanh.default": 3.4e-10,
@@ -128,7 +131,8 @@ def output_bytes(trace: Trace, op: Op) -> int:
 def op_seconds(op: Op, trace: Trace, model: TimeModel) -> float:
     if op.name in METADATA_QUERIES:
         return 0.0
-    return model.seconds(op.flops, bytes_moved(trace, op), op.name, output_bytes(trace, op))
+    priced_as = f"{op.name}[{op.variant}]" if op.variant else op.name  # "aten.gelu.default[tanh]"
+    return model.seconds(op.flops, bytes_moved(trace, op), priced_as, output_bytes(trace, op))
 
 
 def step_seconds(trace: Trace, model: TimeModel, step: int = 0) -> float:

@@ -140,3 +140,21 @@ def test_metadata_queries_cost_no_time():
     assert queries and all(op_seconds(op, trace, CPU) == 0.0 for op in queries)
     relu = next(op for op in trace.ops if op.name == "aten.relu.default")
     assert op_seconds(relu, trace, CPU) >= CPU.seconds_per_op > 0
+
+
+def test_gelu_is_priced_by_its_form():
+    """GELU's tanh form (GPT-2's) computes 3.5x as long per element as its erf form on a CPU
+    (benchmarks/cpu_calibration.py): the trace keeps which form ran, and the CPU model prices each by its
+    own measured rate; a GPU's roofline, bound by bandwidth for both, prices them alike."""
+    def build(approximate):
+        return lambda batch_size=1024: (nn.Sequential(nn.Linear(256, 256), nn.GELU(approximate=approximate)),
+                                     (torch.randn(batch_size, 256),))
+
+    seconds = {}
+    for form in ("none", "tanh"):
+        trace = trace_step(Workload("mlp", build(form), None, {}), StepConfig(steps=1))
+        gelu = next(op for op in trace.ops if op.name == "aten.gelu.default")
+        assert gelu.variant == ("" if form == "none" else "tanh")
+        seconds[form] = (op_seconds(gelu, trace, CPU), op_seconds(gelu, trace, time_model("h100")))
+    assert seconds["tanh"][0] > 2 * seconds["none"][0]
+    assert seconds["tanh"][1] == seconds["none"][1]
