@@ -78,9 +78,9 @@ def test_floor_lies_under_a_selective_plan():
     """Kept op outputs live from forward on, recomputed ones come back with their segment: the same floor."""
     workload = resolve_workload("gpt2", 4, TINY_OVERRIDES["gpt2"])
     unplanned = estimate(workload, CONFIG, device="cpu")
-    result = plan_selective(workload, CONFIG, int(0.3 * unplanned.peak_bytes), device="cpu", processor="h100",
+    result = plan_selective(workload, CONFIG, int(0.6 * unplanned.peak_bytes), device="cpu", processor="h100",
                             baselines=())  # the DP's own plan, not the block-level one
-    assert any(segment.policy == "selective" for segment in result.plan.segments)
+    assert result.plan.feasible and any(segment.policy == "selective" for segment in result.plan.segments)
     measured = measure(workload, CONFIG, device="cpu", plan=result.plan).measured_peak_bytes
     assert result.floor.peak_bytes <= min(measured, result.plan.predicted_peak_bytes)
 
