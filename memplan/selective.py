@@ -659,19 +659,17 @@ def _undominated(cost: np.ndarray, held: np.ndarray, peak: np.ndarray, forward: 
     q_held, q_peak = -(-held // resolution), -(-peak // resolution)
     residue_cell = resolution * RESIDUE_CELL if resolution > 1 else 1
     levels, level = np.unique(-(-(forward - held) // residue_cell), return_inverse=True)
-    order = np.lexsort((q_peak, q_held, cost)) if not by_peak else np.lexsort((cost, np.maximum(q_held, q_peak)))
-    rank = np.empty(len(order), dtype=np.int64)
-    rank[order] = np.arange(len(order))
-    # within each cell of held and residues, only the states whose peak falls (vectorised)
+    keys = (q_peak, q_held, cost) if not by_peak else (cost, np.maximum(q_held, q_peak))  # np.lexsort's: last first
+    # within each cell of held and residues, in order, only the states whose peak falls (vectorised)
     cell = q_held * len(levels) + level
-    by_cell = np.lexsort((rank, cell))
+    by_cell = np.lexsort((*keys, cell))
     peaks, cells = q_peak[by_cell], cell[by_cell]
     first = np.r_[True, cells[1:] != cells[:-1]]
     lowered = peaks - (np.cumsum(first) - 1) * (int(peaks.max()) + 1)  # each cell below all before it
     lowest_before = np.r_[_NEVER, np.minimum.accumulate(lowered)[:-1]]
     lowest_before[first] = _NEVER
     survivors = by_cell[lowered < lowest_before]
-    survivors = survivors[np.argsort(rank[survivors])]
+    survivors = survivors[np.lexsort((survivors, *(key[survivors] for key in keys)))]  # ties: by index
     # across cells: lowest[e, h], the lowest peak of the states so far with residues <= e and held <= h
     lowest = np.full((len(levels), int(q_held.max()) + 1), _NEVER)
     kept = []
@@ -887,10 +885,9 @@ def plan_selective(
     re-estimated alongside; the plan returned recomputes no more than any of them that fits, in FLOPs and
     in seconds (at worst it is that baseline). None: the block-level planner's plan
     (memplan.planner.plan_checkpoints, in the time left), whose candidates (modules at any depth) the
-    selective chain does not all have. `time_limit_s`: the search's, counted once the unplanned step is
-    estimated and its blocks profiled (what every plan needs, 7 s for a 7B model); once past it, the
-    closed loop stops at the first plan that fits (or when it gives up), skipping the block-level loop,
-    the bisection, the default baseline (unless no plan fits) and the optimality bound; None: no limit."""
+    selective chain does not all have. `time_limit_s`: once past it, the closed loop stops at the first
+    plan that fits (or when it gives up), skipping the block-level loop, the bisection, the default
+    baseline (unless no plan fits) and the optimality bound; None: no limit."""
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     started = time.perf_counter()
@@ -915,7 +912,6 @@ def plan_selective(
     block_bytes = device_model(device, gpu).block_bytes
     estimated: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans the estimator ran on
     timeline = Timeline(trace)
-    searching = time.perf_counter()  # the time limit's start
 
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
         """The estimator on the planned model: the truth every plan returned is judged by."""
@@ -944,7 +940,7 @@ def plan_selective(
         return r.plan.recompute_seconds if objective == "seconds" else float(r.plan.recompute_flops)
 
     def in_time() -> bool:
-        return time_limit_s is None or time.perf_counter() - searching < time_limit_s
+        return time_limit_s is None or time.perf_counter() - started < time_limit_s
 
     solve_seconds = 0.0
 
@@ -1019,7 +1015,7 @@ def plan_selective(
     if baselines is None:  # a refinement like the others, skipped past the time limit unless nothing fits
         baselines = ()
         if in_time() or not any(plan.feasible for plan, _ in estimated.values()):
-            left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - searching))
+            left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
             baselines = (plan_checkpoints(workload, config, target, device, gpu=gpu, time_limit_s=left,
                                           cache=cache).plan,)
     external = []
