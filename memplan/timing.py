@@ -131,7 +131,8 @@ def output_bytes(trace: Trace, op: Op) -> int:
 def op_seconds(op: Op, trace: Trace, model: TimeModel) -> float:
     if op.name in METADATA_QUERIES:
         return 0.0
-    priced_as = f"{op.name}[{op.variant}]" if op.variant else op.name  # "aten.gelu.default[tanh]"
+    variant = f"{op.name}[{op.variant}]"  # "aten.gelu.default[tanh]"; priced as the op where not measured
+    priced_as = variant if op.variant and variant in model.seconds_per_output_byte else op.name
     return model.seconds(op.flops, bytes_moved(trace, op), priced_as, output_bytes(trace, op))
 
 

@@ -127,11 +127,9 @@ def _rnn_layer_flops(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor
 
 # Keyword arguments that change what an op costs per element, not what it allocates: its Op.variant,
 # which memplan.timing prices by ("" for the default). GELU's tanh form is 3.5x its erf form on a CPU.
-def _gelu_form(kwargs: dict) -> str:
-    return "" if kwargs.get("approximate", "none") == "none" else kwargs["approximate"]
-
-
-_COST_VARIANTS: dict[Any, Callable[[dict], str]] = {torch.ops.aten.gelu: _gelu_form, torch.ops.aten.gelu_backward: _gelu_form}
+_COST_VARIANTS: dict[Any, Callable[[dict], str]] = {
+    torch.ops.aten.gelu: lambda kwargs: "" if kwargs.get("approximate", "none") == "none" else kwargs["approximate"],
+}
 
 # FLOP formulas for ops that torch.utils.flop_counter has none for, by the same convention (its registry first)
 MORE_FLOPS = {

@@ -1,5 +1,7 @@
 """The GPU registry and the roofline estimate."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -158,3 +160,7 @@ def test_gelu_is_priced_by_its_form():
         seconds[form] = (op_seconds(gelu, trace, CPU), op_seconds(gelu, trace, time_model("h100")))
     assert seconds["tanh"][0] > 2 * seconds["none"][0]
     assert seconds["tanh"][1] == seconds["none"][1]
+    # a form nobody measured is priced as its op
+    unmeasured = replace(CPU, seconds_per_output_byte={k: v for k, v in CPU.seconds_per_output_byte.items()
+                                                        if k != "aten.gelu.default[tanh]"})
+    assert op_seconds(gelu, trace, unmeasured) == seconds["none"][0]
