@@ -972,7 +972,9 @@ def plan_selective(
         """The closed loops over plans replayed `correction` bytes higher (the estimator's figures for a
         plan it has run on): the chain over whole blocks first, then the one over sub-blocks too (a
         superset of it, but the model misses more of what a sub-block's backward holds, so its loop may
-        end on a plan dearer than the whole blocks'), then the block-level choices only."""
+        end on a plan dearer than the whole blocks'), then the block-level choices only. Under a time
+        limit the sub-block chain goes first: the first loop runs however long, and the superset is the
+        one whose plan may be far cheaper (llama2-7b at 58 GiB: 9.7 ms against 17.9 ms)."""
         replayed = replays.realise(correction)
 
         def realise(plan: Plan) -> tuple[Plan, Estimate]:
@@ -992,11 +994,14 @@ def plan_selective(
             backward, forward = margins
             return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
 
-        loop = ClosedLoop(solver([b.whole() for b in blocks], correction), realise, tighten)
+        chains = [[b.whole() for b in blocks]] + ([list(blocks)] if any(b.parts for b in blocks) else [])
+        if time_limit_s is not None:
+            chains.reverse()
+        loop = ClosedLoop(solver(chains[0], correction), realise, tighten)
         loops = [(loop, loop.until_fits((0, 0), CLOSED_LOOP_ROUNDS))]  # to a plan that fits, however long
-        if in_time() and any(b.parts for b in blocks):
-            nested = replace(loop, solve=solver(blocks, correction))  # shares loop.realised
-            loops.append((nested, nested.until_fits((0, 0), CLOSED_LOOP_ROUNDS, in_time)))
+        if in_time() and len(chains) > 1:
+            other = replace(loop, solve=solver(chains[1], correction))  # shares loop.realised
+            loops.append((other, other.until_fits((0, 0), CLOSED_LOOP_ROUNDS, in_time)))
         if in_time():
             block_level = replace(loop, solve=solver([b.block_level() for b in blocks], correction))
             block_level.until_fits((0, 0), CLOSED_LOOP_ROUNDS, in_time)
