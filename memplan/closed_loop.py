@@ -151,6 +151,7 @@ def verified_search(
     rounds: int,
     in_time: Callable[[], bool] = lambda: True,
     refinements: int = 2,
+    worth_verifying: Callable[[Outcome[S]], bool] = lambda outcome: True,
 ) -> list[Outcome[S]]:
     """Search over a fast model of the planned step (memplan.replay), then check with the estimator.
 
@@ -160,8 +161,9 @@ def verified_search(
     what the estimator found above the replay and the search runs again, until a plan fits, `rounds`
     plans are verified or `in_time()` is false. The correction is global, so it may exclude plans that
     fit: then up to `refinements` more searches halve the bracket between the last correction whose plan
-    did not fit and the one whose plan did, verifying any cheaper plan they find. Returns the outcomes
-    verified, in order."""
+    did not fit and the one whose plan did, verifying any cheaper plan they find. A plan that
+    `worth_verifying` rejects (by its replay: the caller has a cheaper one) ends the search unverified.
+    Returns the outcomes verified, in order."""
     checked: dict[tuple[Segment, ...], Outcome[S]] = {}
 
     def cheapest(correction: int, than: Outcome[S] | None = None) -> Outcome[S] | None:
@@ -177,7 +179,7 @@ def verified_search(
     correction, failed, best = 0, -1, None
     while best is None and len(checked) < rounds:
         chosen = cheapest(correction)
-        if chosen is None:
+        if chosen is None or not worth_verifying(chosen):
             return list(checked.values())
         outcome = verified(chosen)
         if outcome.plan.feasible:
@@ -191,6 +193,8 @@ def verified_search(
             break
         middle = (failed + correction + 1) // 2
         chosen = cheapest(middle, than=best)
+        if chosen is not None and not worth_verifying(chosen):
+            break
         outcome = None if chosen is None else verified(chosen)
         if outcome is None or outcome.plan.feasible:  # nothing cheaper, or a cheaper plan that fits
             best, correction = outcome or best, middle

@@ -448,6 +448,7 @@ class PlanResult:
     candidates: Candidates
     solution: Solution
     floor: Floor  # a peak no checkpoint plan goes below
+    checked: bool = True  # False: the plan as replayed, which the caller's `worth_checking` rejected
 
 
 def plan_checkpoints(
@@ -459,13 +460,16 @@ def plan_checkpoints(
     gpu: str | None = None,
     time_limit_s: float | None = None,
     cache: EstimateCache | None = None,
+    worth_checking: Callable[[Plan], bool] = lambda plan: True,
 ) -> PlanResult:
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
     The result's plan has feasible=False, with the smallest peak reached, when none fits. Plans are
     searched by replay and checked by the estimator (memplan.closed_loop.verified_search); every
     baseline that fits by replay is a candidate too. `time_limit_s`: once past it, the search stops
     bisecting and searches no further (the plan found is still checked); None: no limit. `cache`: the
-    estimator runs, shared with the caller (memplan.selective plans beside this planner)."""
+    estimator runs, shared with the caller (memplan.selective plans beside this planner).
+    `worth_checking(plan)`, on the plan the replays found cheapest: False (the caller already has a plan
+    that costs no more) ends the search there, and the result is that plan as replayed, unchecked."""
     started = time.perf_counter()
 
     def in_time() -> bool:
@@ -546,9 +550,20 @@ def plan_checkpoints(
         return solved[budget]
 
     searched: dict[tuple[Segment, ...], Outcome[Solution]] = {}
-    checked = verified_search(search, re_estimate,
-                              lambda o: float(o.plan.recompute_flops), VERIFICATIONS, in_time)
+    unchecked: list[Outcome[Solution]] = []
+
+    def worth_verifying(outcome: Outcome[Solution]) -> bool:
+        if worth_checking(outcome.plan):
+            return True
+        unchecked.append(outcome)
+        return False
+
+    checked = verified_search(search, re_estimate, lambda o: float(o.plan.recompute_flops), VERIFICATIONS,
+                              in_time, worth_verifying=worth_verifying)
     fitting = [o for o in checked if o.plan.feasible]
+    if unchecked and not fitting:
+        return PlanResult(unchecked[0].plan, unplanned, unchecked[0].planned, candidates, unchecked[0].solution,
+                          peak_floor(trace, block_bytes), checked=False)
     if fitting:
         best = min(fitting, key=lambda o: o.plan.recompute_flops)
     else:  # the lowest peak any plan reached (the first of equals), as the estimator sees it

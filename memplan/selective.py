@@ -1011,6 +1011,15 @@ def plan_selective(
         searched.update(loop.realised)
         return list(loop.realised.values())
 
+    def might_cost_less(plan: Plan) -> bool:
+        """Whether `plan`, as replayed, might recompute less, in FLOPs or in seconds on `clock`, than
+        every plan found that fits by the estimator. One that cannot would be neither chosen nor a bar
+        to the plan chosen (see beats_baselines), so the estimator need not run on it."""
+        replayed, _ = replay(plan)
+        return not any(found.feasible and found.recompute_flops <= replayed.recompute_flops
+                       and found.recompute_seconds <= replayed.recompute_seconds + 1e-15
+                       for found, _ in estimated.values())
+
     searched: dict[tuple[Segment, ...], Outcome[_Solved]] = {}
     if unplanned.peak_bytes <= target:  # the step fits as it is: no plan, whatever a plan would cost
         realise(draft((), "none"))
@@ -1021,8 +1030,9 @@ def plan_selective(
         baselines = ()
         if in_time() or not any(plan.feasible for plan, _ in estimated.values()):
             left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
-            baselines = (plan_checkpoints(workload, config, target, device, gpu=gpu, time_limit_s=left,
-                                          cache=cache).plan,)
+            block_level = plan_checkpoints(workload, config, target, device, gpu=gpu, time_limit_s=left,
+                                           cache=cache, worth_checking=might_cost_less)
+            baselines = (block_level.plan,) if block_level.checked else ()
     external = []
     for baseline in baselines:
         plan, planned = realise(replace(baseline, budget_bytes=budget_bytes))

@@ -12,7 +12,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from cli.main import app
-from memplan.closed_loop import Candidate, ClosedLoop, Outcome, verified_search
+from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, verified_search
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
 from memplan.planner import alternatives, candidate_blocks, max_batch, nested_candidates, plan_checkpoints
@@ -144,6 +144,22 @@ def test_time_limit_stops_the_bisection_yet_the_plan_fits(gpt_unplanned):
     hurried = plan_checkpoints(_gpt(), CONFIG, budget, device="cpu", time_limit_s=0.0).plan
     assert hurried.feasible and hurried.predicted_peak_bytes <= budget
     assert hurried.recompute_flops >= full.recompute_flops > 0
+
+
+def test_a_plan_the_caller_rejects_is_returned_as_replayed_without_the_estimator(gpt_unplanned):
+    """worth_checking=False on the cheapest plan by replay: no estimator run on any plan, and the plan is
+    the one the full search checks first, with the replay's peak (exact on GPT-2: the estimator's)."""
+    budget = int(gpt_unplanned.peak_bytes - 0.5 * gpt_unplanned.breakdown.activations)
+    full = plan_checkpoints(_gpt(), CONFIG, budget, device="cpu")
+    cache = EstimateCache()
+    asked = []
+    unchecked = plan_checkpoints(_gpt(), CONFIG, budget, device="cpu", cache=cache,
+                                 worth_checking=lambda plan: asked.append(plan) or False)
+    assert full.checked and not unchecked.checked
+    assert len(asked) == 1 and cache.planned == {}
+    assert unchecked.plan.segments == full.plan.segments and unchecked.plan.feasible
+    assert unchecked.plan.predicted_peak_bytes == full.plan.predicted_peak_bytes
+    assert unchecked.plan.recompute_flops == full.plan.recompute_flops > 0
 
 
 def test_no_plan_needed_when_it_already_fits(gpt_unplanned):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from memplan.closed_loop import EstimateCache
 from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
@@ -211,6 +212,25 @@ def test_never_worse_than_the_block_level_plan():
             assert result.plan.feasible
             assert result.plan.recompute_flops <= block.recompute_flops
             assert result.recompute_seconds <= block_seconds * (1 + 1e-9)
+
+
+def test_a_block_level_plan_that_a_selective_fit_beats_is_never_estimated():
+    """The default baseline, the block-level plan, is only worth the estimator's run where it might
+    cost less than a selective plan that fits. Here one beats it in FLOPs and GPU time by the replay:
+    the estimator never runs on it, and the plan is the one it would be with that run."""
+    workload = _gpt(n_layer=3)
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
+    budget = int(0.6 * unplanned.peak_bytes)
+    cache = EstimateCache()
+    result = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU, cache=cache)
+    block = plan_checkpoints(workload, CONFIG, budget - int(0.005 * budget), device="cpu").plan  # the target
+    assert block.feasible and result.plan.feasible and result.plan.segments != block.segments
+    assert block.segments not in {key[-1] for key in cache.planned}
+    seconds_pct = plan_overhead(workload, CONFIG, block, "cpu", processor=GPU)[1]
+    assert result.plan.recompute_flops <= block.recompute_flops
+    assert result.recompute_seconds <= seconds_pct * result.step_seconds / 100
+    with_it = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU, baselines=(block,))
+    assert with_it.plan.segments == result.plan.segments
 
 
 def test_cpu_pricing_counts_the_policy_host_time():
