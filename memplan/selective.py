@@ -85,7 +85,7 @@ from memplan.planner import (
     sibling_positions,
     unsafe_reason,
 )
-from memplan.replay import Timeline, casts_weight, estimate_replayed
+from memplan.replay import RNG_STATE_BYTES, Timeline, casts_weight, estimate_replayed
 from memplan.solvers import Solution
 from memplan.step import StepConfig, precision_rule
 from memplan.timing import (
@@ -168,6 +168,9 @@ class BlockProfile:
     seconds: float
     grad_bytes: int = 0  # parameter gradients its backward allocates (0 when they outlive the step)
     stashed_bytes: int = 0  # its inputs that a checkpoint of it keeps and the step without one frees in forward
+    # what torch.utils.checkpoint itself keeps from a segment's forward to its backward on the target:
+    # the CPU generator's state (memplan.replay.RNG_STATE_BYTES), device memory on a CPU target only
+    checkpoint_state_bytes: int = 0
     # bytes a checkpointed forward of it still holds when the forward ends, beyond what its policy says
     # it holds (contrib and forward residue): learnt from replayed and re-estimated plans, 0 until then
     forward_residue_bytes: int = 0
@@ -227,11 +230,13 @@ def _forward_end(trace: Trace, start: int) -> int:
 
 def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[int], int], clock: TimeModel,
                   objective: str = "seconds", *, last: str | None = None,
-                  held_outputs: frozenset[int] | None = None, autocast: bool = False) -> BlockProfile:
+                  held_outputs: frozenset[int] | None = None, autocast: bool = False,
+                  checkpoint_state_bytes: int = 0) -> BlockProfile:
     """`last`: profile the run of sibling modules from `path` to `last` as one segment. `held_outputs`:
     count only these of its outputs as held until backward (None: all); a sub-block's output that
     nothing saves (attn's, read by a residual add) is freed in forward, checkpointed or not. `autocast`:
-    the step runs under autocast, whose casts of the weights a checkpointed forward holds to its end."""
+    the step runs under autocast, whose casts of the weights a checkpointed forward holds to its end.
+    `checkpoint_state_bytes`: what the checkpoint itself keeps until backward (BlockProfile's field)."""
     call = trace.first_forward_call(path)
     tail = call if last is None else trace.first_forward_call(last)
     ops = trace.ops[call.first_op : tail.end_op]
@@ -287,7 +292,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
         return Policy(
             name=name,
             saved_ops=tuple(c.name for c in saved),  # named as the policy runtime counts them below
-            contrib_bytes=output_bytes + bb(stashed) + sum(c.held_bytes for c in saved),
+            contrib_bytes=output_bytes + bb(stashed) + checkpoint_state_bytes + sum(c.held_bytes for c in saved),
             transient_bytes=transient_all - sum(c.needed_bytes for c in saved),
             flops=total_flops - sum(c.flops for c in saved),
             seconds=total_seconds - sum(c.seconds for c in saved) + overhead[bool(saved)],
@@ -303,7 +308,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     subsets = _knapsack_subsets(priced, objective, max(1, -(-transient_all // GRID), -(-other // (4 * GRID))))
     candidates = [policy(f"knapsack-{i}", free + chosen) for i, chosen in enumerate(subsets)]
     block_level = [Policy("keep", (), keep_bytes, 0, 0, 0.0, checkpointed=False),
-                   Policy("full", (), output_bytes + bb(stashed), transient_all, total_flops,
+                   Policy("full", (), output_bytes + bb(stashed) + checkpoint_state_bytes, transient_all, total_flops,
                           total_seconds + overhead[False], forward_residue_bytes=bb(casts))]
     # keep and full stay (the block-level choices); the others only where neither beats them
     family = _pareto_policies(block_level + candidates, objective)
@@ -311,7 +316,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     policies = block_level + [replace(p, saved_ops=_saved_names([by_name[n] for n in p.saved_ops], order, calls_seen))
                               for p in family if p.saved_ops]
     return BlockProfile(path, group, tuple(calls), tuple(policies), keep_bytes, output_bytes, total_flops,
-                        total_seconds, stashed_bytes=bb(stashed))
+                        total_seconds, stashed_bytes=bb(stashed), checkpoint_state_bytes=checkpoint_state_bytes)
 
 
 def _saved_names(saved: Sequence[SavedCall], order: dict[str, int], calls_per_op: dict[str, int]) -> tuple[str, ...]:
@@ -534,7 +539,8 @@ def _options(blocks: Sequence[BlockProfile], recompute_offset: int = 0) -> list[
         while block.group and j < len(blocks) and blocks[j].group == block.group:
             run = blocks[i : j + 1]
             everything = sum(b.activation_bytes for b in run)
-            policy = Policy(f"full-run-{len(run)}", (), run[-1].output_bytes + block.stashed_bytes,
+            policy = Policy(f"full-run-{len(run)}", (),
+                            run[-1].output_bytes + block.stashed_bytes + block.checkpoint_state_bytes,
                             everything - run[-1].output_bytes,
                             sum(b.flops for b in run), sum(b.full_seconds for b in run),
                             forward_residue_bytes=sum(b.full_residue_bytes for b in run))
@@ -735,9 +741,11 @@ def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str =
     the chain (first in backward) allocate that much less. `autocast`: as profile_block's."""
     block_bytes = device_model(device).block_bytes
     candidates = candidate_blocks(trace, block_bytes)
+    state = RNG_STATE_BYTES if device == "cpu" else 0  # a CUDA step's generator states are host memory
 
     def profile(path: str, group: str, **kwargs) -> BlockProfile:
-        return profile_block(trace, path, group, block_bytes, clock, objective, autocast=autocast, **kwargs)
+        return profile_block(trace, path, group, block_bytes, clock, objective, autocast=autocast,
+                             checkpoint_state_bytes=state, **kwargs)
 
     unique = list({b.path: b for b in candidates.blocks}.values())  # a path listed twice is one block
     safety = _Safety.of(trace)
@@ -800,6 +808,10 @@ def _forward_residues(trace: Trace, plan: Plan, block_bytes: Callable[[int], int
     the bytes its forward allocates and still holds when the forward phase ends, beyond what the DP
     models it to (`modelled`, by path and saved ops: see _modelled_holds)."""
     freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
+    ends = [i for i, e in enumerate(trace.events) if e.kind == "phase" and e.phase != "forward"]
+    # the first forward's allocations, by event (a replay's RNG state is made by no op; its recomputation
+    # allocates again in backward, under the forward ops' indices)
+    allocs = [e for e in trace.events[: min(ends, default=len(trace.events))] if e.kind == "alloc"]
     residues = {}
     for segment in plan.segments:
         path = segment.modules[0]
@@ -807,8 +819,8 @@ def _forward_residues(trace: Trace, plan: Plan, block_bytes: Callable[[int], int
             continue
         call = trace.first_forward_call(path)
         last = _forward_end(trace, call.first_op) - 1  # freed after the forward's last op: held to its end
-        held = {s for op in trace.ops[call.first_op : call.end_op] for s in op.allocates
-                if freed_after.get(s, len(trace.ops)) >= last}
+        held = {e.storage for e in allocs if call.first_op <= e.op < call.end_op
+                and freed_after.get(e.storage, len(trace.ops)) >= last}
         residues[path] = max(0, sum(block_bytes(trace.storages[s].nbytes) for s in held)
                              - modelled[path, segment.saved_ops])
     return residues

@@ -66,6 +66,45 @@ def test_the_closed_loop_tightens_until_a_plan_fits_then_bisects():
     assert [o.solution for o in hurried.outcomes] == [4] and not hurried.fits
 
 
+def test_the_closed_loop_solves_again_at_the_same_setting_when_tighten_says_so():
+    """A toy solver that learns from each plan it sees over (as the selective DP learns forward residues
+    from replays): the first plan at setting 100 is over, tighten keeps the setting, and the second
+    solve at it, told what it missed, fits. The setting it fits at is still the first one, so no looser
+    setting is known to bisect from."""
+    draft = Plan("toy", 1, "fp32", "sgd", 1, "cpu", "toy", (), False, 100, 0, 200, 0, 1)
+    learnt = set()
+
+    def solve(setting):
+        n = 4 if setting[0] >= 100 and "residue" not in learnt else 5 + (100 - setting[0]) // 20
+        return Candidate(replace(draft, segments=tuple(Segment((f"b{i}",)) for i in range(n))), True, n)
+
+    def realise(plan):
+        peak = 200 - 20 * len(plan.segments)
+        return replace(plan, feasible=peak <= 100, predicted_peak_bytes=peak), None
+
+    def relearning(setting, outcome, scale):
+        if "residue" in learnt:
+            return (setting[0] - scale * (outcome.plan.predicted_peak_bytes - 100),)
+        learnt.add("residue")
+        return setting
+
+    tightened = ClosedLoop(solve, realise, relearning).until_fits((100,), rounds=8)
+    assert [o.solution for o in tightened.outcomes] == [4, 5]
+    assert tightened.fits and (tightened.loose, tightened.setting) == (None, (100,))
+
+
+def test_verified_search_verifies_no_plan_the_caller_rejects():
+    """worth_verifying False on the search's cheapest plan: the search ends there, nothing verified."""
+    draft = Plan("toy", 1, "fp32", "sgd", 1, "cpu", "toy", (), False, 100, 0, 200, 0, 1)
+    plans = [Outcome(replace(draft, segments=(Segment((f"b{n}",)),), feasible=n >= 2, recompute_flops=n),
+                     SimpleNamespace(peak_bytes=0), n) for n in range(4)]
+    verified, asked = [], []
+    checked = verified_search(lambda correction: plans, lambda plan: verified.append(plan) or (plan, None),
+                              lambda o: float(o.plan.recompute_flops), rounds=4,
+                              worth_verifying=lambda o: asked.append(o.solution) or False)
+    assert checked == [] and verified == [] and asked == [2]
+
+
 def test_verified_search_raises_the_replays_by_what_the_estimator_found():
     """A toy replay 30 bytes short for plans of 4 segments and exact otherwise. Asked to fit 100, the
     search's cheapest fitting plan is 4 segments (replayed 100, really 130): the estimator finds it over,

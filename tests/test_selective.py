@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,10 +16,13 @@ from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
 from memplan.planner import plan_checkpoints
+from memplan.replay import estimate_replayed
 from memplan.selective import (
     RESIDUE_CELL,
     BlockProfile,
     Policy,
+    _forward_residues,
+    _modelled_holds,
     _undominated,
     plan_overhead,
     plan_selective,
@@ -398,9 +402,10 @@ def test_sub_blocks_partition_each_block():
     assert sum(u.grad_bytes for u in block.units) == block.grad_bytes
     runs = {p.modules for p in block.parts if p.last > p.first}
     assert runs == {("h.1.ln_1", "h.1.attn"), ("h.1.ln_2", "h.1.mlp")}
-    # attn's output is read by a residual add only: freed in forward, so a checkpointed attn holds nothing
+    # attn's output is read by a residual add only: freed in forward, so a checkpointed attn holds no
+    # tensor of its own, only the checkpoint's copy of the CPU generator's state
     attn = next(u for u in block.units if u.path == "h.1.attn")
-    assert min(p.contrib_bytes for p in attn.policies) == 0
+    assert min(p.contrib_bytes for p in attn.policies) == torch.get_rng_state().nbytes
 
 
 @pytest.mark.parametrize("precision", ["amp-bf16", "fp32"])
@@ -439,8 +444,33 @@ def test_checkpointed_forwards_hold_autocast_casts_and_stashed_inputs(precision)
                 keeping_casts += kept > 0
         ffn_full = next(p for p in ffn.policies if p.name == "full")
         stashed = batch * config["seq_len"] * config["n_embd"] * 4 if precision == "amp-bf16" else 0
-        assert ffn_full.contrib_bytes == ffn.output_bytes + stashed
+        # and torch.utils.checkpoint keeps the CPU generator's state, device memory on a CPU target
+        assert ffn_full.contrib_bytes == ffn.output_bytes + stashed + torch.get_rng_state().nbytes
     assert (keeping_casts > 0) == (precision == "amp-bf16")  # the subset check above is not vacuous
+
+
+def test_replays_and_the_estimator_teach_the_dp_the_same_forward_holds():
+    """What a checkpointed forward still holds when the forward ends, learnt from a plan's replay (as the
+    selective search learns it between estimator runs) and from the estimator's run on the plan: the same
+    bytes (the layer's output, autocast's bf16 weight casts, the checkpoint's copy of the CPU generator's
+    state), and what the DP modelled a priori, so it learns no residue. A DP that modelled nothing would
+    learn all of it."""
+    workload = resolve_workload("llama2-7b", 2, dict(TINY_OVERRIDES["llama2-7b"], n_layer=2))
+    config = StepConfig(precision="amp-bf16", optimizer="sgd", steps=1)
+    _, trace = estimate_and_trace(workload, config, "cpu")
+    _, blocks = profile_blocks(trace, "cpu", time_model("h100"), autocast=True)
+    layers = [b for b in blocks if b.path.startswith("layers.")]
+    plan = replace(_plan(tuple(Segment((b.path,)) for b in layers), workload), precision="amp-bf16")
+    _, replayed = estimate_replayed(workload, config, "cpu", trace, plan)
+    _, planned_trace = estimate_and_trace(workload, config, "cpu", transform=lambda m: apply_plan(m, plan))
+    modelled = _modelled_holds(blocks)
+    knowing_nothing = dict.fromkeys(modelled, 0)
+    held = {name: _forward_residues(t, plan, lambda n: n, knowing_nothing)
+            for name, t in (("replay", replayed.trace), ("estimator", planned_trace))}
+    assert held["replay"] == held["estimator"] == {b.path: modelled[b.path, ()] for b in layers}
+    assert all(modelled[b.path, ()] > next(p for p in b.policies if p.name == "full").forward_residue_bytes > 0
+               for b in layers)
+    assert _forward_residues(replayed.trace, plan, lambda n: n, modelled) == {b.path: 0 for b in layers}
 
 
 def test_sub_blocks_reach_below_the_whole_block_chain():
