@@ -12,7 +12,8 @@ and per forward call of it, is when the segment's own storages live:
 - backward: at the first backward op that reads one of those storages, the segment's forward runs
   again up to the last of them (early stop), allocating as it did the first time but for the kept
   ops' outputs; what it recreates is freed where the unplanned step freed the original, the rest as
-  the recomputation ends.
+  the recomputation ends, but kept outputs past the early stop, which the policy's cache holds until
+  the checkpoint lets go of its inputs.
 
 Everything else (the other ops, gradients, the optimizer, the allocator model) is the unplanned trace.
 `replay_plan` returns a trace that memplan.estimate.simulate replays like a traced one, and the ops the
@@ -194,13 +195,18 @@ def replay_plan(trace: Trace, plan: Plan, line: Timeline | None = None) -> Repla
                 elif event.kind == "scratch":
                     events.append(event)
             events += [Event("free", sid, op=stop) for s, sid in again.items() if s not in recreated]
-            events += [Event("free", s, op=stop) for s in waiting]
+            # the policy's cache hands a kept output back as the recomputation reaches its op; one past
+            # the early stop it keeps, with the checkpoint's frame
+            consumed = [s for s in waiting if storages[s].allocated_by <= stop]
+            events += [Event("free", s, op=stop) for s in consumed]
             before[at].extend(events)
             for s in recreated:
                 renamed[line.free[s]] = again[s]
-            # the checkpoint's frame lets go of its inputs and RNG state once its last saved tensor is freed
+            # the checkpoint's frame lets go of its inputs, RNG state and cache once its last saved
+            # tensor is freed
             last = max((line.free[s] for s in recreated), default=at - 1)
-            before[last + 1].extend(Event("free", s, op=line.at_op[last]) for s in (*inputs, *rng))
+            frame = (*inputs, *rng, *(s for s in waiting if s not in consumed))
+            before[last + 1].extend(Event("free", s, op=line.at_op[last]) for s in frame)
 
     events = []
     for position, event in enumerate(line.events):
