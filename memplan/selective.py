@@ -883,7 +883,6 @@ def plan_selective(
     device: str = "cuda",
     objective: str = "seconds",
     processor: str | None = None,
-    headroom: float = 0.005,
     cache: EstimateCache | None = None,
     baselines: Sequence[Plan] | None = None,
     time_limit_s: float | None = None,
@@ -892,10 +891,9 @@ def plan_selective(
     re-estimated peak fits `budget_bytes`; feasible=False with the smallest peak reached when none fits.
     `processor`: a GPU name or "cpu" (memplan.timing); None: what `device` runs on (the CPU, or an H100). On
     CUDA the GPU named also sets the library workspaces the estimator counts, as `estimate --gpu` does.
-    `headroom`: the plan must fit budget x (1 - headroom) by the estimator, a margin for its error against
-    the real allocator (a few KiB on the CPU at tiny sizes). `baselines`: plans of other planners
-    re-estimated alongside; the plan returned recomputes no more than any of them that fits, in FLOPs and
-    in seconds (at worst it is that baseline). None: the block-level planner's plan
+    The plan must fit the budget by the estimator, as the block-level planner's does. `baselines`: plans
+    of other planners re-estimated alongside; the plan returned recomputes no more than any of them that
+    fits, in FLOPs and in seconds (at worst it is that baseline). None: the block-level planner's plan
     (memplan.planner.plan_checkpoints, in the time left), whose candidates (modules at any depth) the
     selective chain does not all have. `time_limit_s`: once past it, the closed loop stops at the first
     plan that fits (or when it gives up), skipping the block-level loop, the bisection, the default
@@ -904,7 +902,6 @@ def plan_selective(
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     started = time.perf_counter()
     cache = cache or EstimateCache()
-    target = budget_bytes - int(headroom * budget_bytes)
     clock = time_model_for(device, processor, config.precision)
     gpu = _card(device, processor)
     unplanned, trace = cache.estimate(workload, config, device, gpu)
@@ -932,7 +929,7 @@ def plan_selective(
             residues.update(_forward_residues(planned_trace, plan, block_bytes, modelled))
             seconds = max(0.0, recompute_seconds(trace, planned_trace, plan, clock))
             estimated[plan.segments] = (replace(
-                plan, feasible=planned.peak_bytes <= target, predicted_peak_bytes=planned.peak_bytes,
+                plan, feasible=planned.peak_bytes <= budget_bytes, predicted_peak_bytes=planned.peak_bytes,
                 recompute_flops=max(0, planned.step_flops - unplanned.step_flops), recompute_seconds=seconds), planned)
         return estimated[plan.segments]
 
@@ -946,7 +943,7 @@ def plan_selective(
         return replace(plan, predicted_peak_bytes=planned.peak_bytes, recompute_seconds=seconds,
                        recompute_flops=planned.step_flops - unplanned.step_flops), planned
 
-    replays = Replays(replay, target)
+    replays = Replays(replay, budget_bytes)
 
     def cost(r: Outcome) -> float:
         return r.plan.recompute_seconds if objective == "seconds" else float(r.plan.recompute_flops)
@@ -967,14 +964,14 @@ def plan_selective(
 
     def solver(chain: Sequence[BlockProfile], correction: int) -> Callable[[Setting], Candidate[_Solved]]:
         """Solve `chain` with the setting's (backward, forward) margins added to the fixed bytes, to fit
-        the target less the search's correction."""
+        the budget less the search's correction."""
 
         def solve(margins: Setting) -> Candidate[_Solved]:
             nonlocal solve_seconds
             backward, forward = margins
             problem = _Problem(_with_residues(chain, residues), fixed + backward,
                                (fixed if forward_fixed is None else forward_fixed) + forward, recompute_fixed + backward)
-            solution = problem.solve(target - correction, objective, bound=False)
+            solution = problem.solve(budget_bytes - correction, objective, bound=False)
             solve_seconds += solution.solve_seconds
             return Candidate(draft(_segments(solution), method), solution.feasible, _Solved(solution, problem))
 
@@ -993,7 +990,7 @@ def plan_selective(
             return estimated.get(plan.segments) or replayed(plan)
 
         def tighten(margins: Setting, over: Outcome, scale: int) -> Setting | None:
-            """Add what the replay found over the target to the fixed bytes of the phase that peaked; but
+            """Add what the replay found over the budget to the fixed bytes of the phase that peaked; but
             where the forward peaked and its replay taught the DP forward residues it had not counted,
             solve again as is (the residues now count what the margin would add)."""
             phase = over.planned.peak_phase
@@ -1002,7 +999,7 @@ def plan_selective(
             solved = over.solution.problem.blocks
             if phase == "forward" and _residues_of(_with_residues(solved, residues)) != _residues_of(solved):
                 return margins
-            excess = scale * max(1, over.planned.peak_bytes + correction - target)
+            excess = scale * max(1, over.planned.peak_bytes + correction - budget_bytes)
             backward, forward = margins
             return (backward + excess, forward) if phase == "backward" else (backward, forward + excess)
 
@@ -1033,7 +1030,7 @@ def plan_selective(
                        for found, _ in estimated.values())
 
     searched: dict[tuple[Segment, ...], Outcome[_Solved]] = {}
-    if unplanned.peak_bytes <= target:  # the step fits as it is: no plan, whatever a plan would cost
+    if unplanned.peak_bytes <= budget_bytes:  # the step fits as it is: no plan, whatever a plan would cost
         realise(draft((), "none"))
         baselines = ()
     else:
@@ -1042,7 +1039,7 @@ def plan_selective(
         baselines = ()
         if in_time() or not any(plan.feasible for plan, _ in estimated.values()):
             left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
-            block_level = plan_checkpoints(workload, config, target, device, gpu=gpu, time_limit_s=left,
+            block_level = plan_checkpoints(workload, config, budget_bytes, device, gpu=gpu, time_limit_s=left,
                                            cache=cache, worth_checking=might_cost_less)
             baselines = (block_level.plan,) if block_level.checked else ()
     external = []
@@ -1072,7 +1069,7 @@ def plan_selective(
     solved: _Solved | None = best.solution  # None where the plan is a baseline passed in
     solution = None if solved is None else solved.solution
     if solution is not None and solution.feasible and in_time():  # its gap, once: the bound costs two solves
-        bounded = solved.problem.solve(target, objective, bound=True)
+        bounded = solved.problem.solve(budget_bytes, objective, bound=True)
         solve_seconds += bounded.solve_seconds
         solution = replace(solution, optimality_gap=bounded.optimality_gap)
     seconds = best.plan.recompute_seconds

@@ -84,7 +84,7 @@ def _copy(model: nn.Module) -> nn.Module:
 def test_planned_selective_gradients_equal_eager():
     workload = _gpt(n_layer=2)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
-    result = plan_selective(workload, CONFIG, int(0.7 * unplanned.peak_bytes), device="cpu", processor=GPU)
+    result = plan_selective(workload, CONFIG, int(0.6 * unplanned.peak_bytes), device="cpu", processor=GPU)
     assert result.plan.feasible and any(s.policy == "selective" for s in result.plan.segments)
     torch.manual_seed(0)
     model, inputs = workload.build()
@@ -227,7 +227,7 @@ def test_a_block_level_plan_that_a_selective_fit_beats_is_never_estimated():
     budget = int(0.6 * unplanned.peak_bytes)
     cache = EstimateCache()
     result = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU, cache=cache)
-    block = plan_checkpoints(workload, CONFIG, budget - int(0.005 * budget), device="cpu").plan  # the target
+    block = plan_checkpoints(workload, CONFIG, budget, device="cpu").plan
     assert block.feasible and result.plan.feasible and result.plan.segments != block.segments
     assert block.segments not in {key[-1] for key in cache.planned}
     seconds_pct = plan_overhead(workload, CONFIG, block, "cpu", processor=GPU)[1]
@@ -243,7 +243,7 @@ def test_cpu_pricing_counts_the_policy_host_time():
     plan recomputes whole segments where the same budget priced on a GPU roofline keeps outputs."""
     workload = _gpt(n_layer=2)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
-    budget = int(0.7 * unplanned.peak_bytes)
+    budget = int(0.6 * unplanned.peak_bytes)
     on_gpu = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU)
     on_cpu = plan_selective(workload, CONFIG, budget, device="cpu")
     assert on_cpu.processor == "cpu" and on_gpu.processor == "H100-80GB"
