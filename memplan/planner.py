@@ -258,8 +258,10 @@ def chained_runs(children: Sequence[ModuleCall | None], position: dict[str, int]
 
 def _chained(previous: ModuleCall, call: ModuleCall) -> bool:
     """The parent feeds one call's whole output straight into the next (`x = block(x)`), not a part of
-    it (`x = block(x)[0]`): a checkpointed run hands each member the previous one's output as it is."""
-    return bool(previous.outputs) and call.inputs[: len(previous.outputs)] == previous.outputs
+    it (`x = block(x)[0]`), and passes both the same other arguments (`x = block(x, mask)`): a
+    checkpointed run hands each member the previous one's output as it is, and the first one's others."""
+    return (bool(previous.outputs) and call.inputs[: len(previous.outputs)] == previous.outputs
+            and call.arguments == previous.arguments)
 
 
 def unsafe_reason(

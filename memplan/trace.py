@@ -160,6 +160,10 @@ class ModuleCall:
     end_op: int
     inputs: tuple[int, ...]  # storage ids of its tensor arguments
     outputs: tuple[int, ...]
+    # its arguments after the first, as a checkpointed run hands them to each member (memplan.emit):
+    # positional ones, then (keyword, value); a tensor by its storage, a plain constant by value, any
+    # other object by identity
+    arguments: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -442,6 +446,18 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
             if isinstance(t, torch.Tensor) and t.untyped_storage() in recorder.ids
         )
 
+    def value_of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", recorder.ids.get(value.untyped_storage(), id(value)))
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if type(value) in (tuple, list):  # (cos, sin) position embeddings
+            return tuple(map(value_of, value))
+        return ("object", id(value))
+
+    def arguments(args: Any, kwargs: Any) -> tuple:
+        return (*map(value_of, args[1:]), *((name, value_of(v)) for name, v in (kwargs or {}).items()))
+
     def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None:
@@ -459,7 +475,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
             calls.append(
                 ModuleCall(
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
-                    tensor_ids(output),
+                    tensor_ids(output), arguments(args, kwargs),
                 )
             )
 

@@ -334,6 +334,45 @@ def _spans_by_paths(trace):
     return nested, {span.paths: span for span in nested.spans}
 
 
+class _Embedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 64)
+
+    def forward(self, x, scaled=False):
+        return self.proj(x) * (2.0 if scaled else 1.0)
+
+
+class _Stem(nn.Module):
+    """CLIP's vision stem: `norm(embeddings(x, interpolate_pos_encoding=False))`. The parent chains the
+    two, but passes the first a keyword the second does not take; norm and mlp share their arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = _Embedding()
+        self.norm = nn.LayerNorm(64)
+        self.mlp = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)))
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(self.mlp(self.norm(self.embeddings(x, scaled=False)))).mean()
+
+
+def test_a_run_needs_its_members_called_with_the_same_other_arguments():
+    """A checkpointed run hands every member the first one's other arguments, so siblings the parent
+    calls with different ones never make a run; the plan runs and measures as predicted."""
+    workload = Workload("stem", lambda batch_size=1024: (_Stem(), (torch.randn(batch_size, 32),)), None, {})
+    unplanned, trace = estimate_and_trace(workload, CONFIG, device="cpu")
+    _, spans = _spans_by_paths(trace)
+    assert ("norm", "mlp") in spans and ("mlp", "head") in spans
+    assert not any("embeddings" in paths and len(paths) > 1 for paths in spans)
+    budget = unplanned.peak_bytes - unplanned.breakdown.activations // 4
+    plan = plan_checkpoints(workload, CONFIG, budget, device="cpu").plan
+    assert plan.feasible and plan.segments
+    measured = measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes
+    assert measured <= budget and abs(measured - plan.predicted_peak_bytes) <= 1e-4 * measured
+
+
 def test_nested_candidates_reach_every_depth_and_cover_exactly_their_modules():
     _, trace = estimate_and_trace(_gpt(4), CONFIG, device="cpu")
     nested, spans = _spans_by_paths(trace)
