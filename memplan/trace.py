@@ -702,14 +702,72 @@ def _deepcopy_shares_fake_mode() -> Iterator[None]:
             del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]
 
 
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _fake_parameters_swap(*tables: Any) -> Iterator[None]:
+    """Let nn.Module._apply convert fake parameters (`model.float()`, `.half()`, `.to(dtype)`).
+
+    For a FakeTensor parameter, torch's `Module._apply` always takes the `torch.utils.swap_tensors`
+    path (torch 2.13 nn/modules/module.py: `p_should_use_swap_tensors = ... or isinstance(param,
+    FakeTensor)`), and `swap_tensors` refuses any tensor that a weak reference points at. Every fake
+    tensor an op returns has one: FakeTensorMode memoizes op outputs in a WeakValueDictionary
+    (`FakeTensorConverter.from_meta_and_device` -> `tensor_memo`), and `nn.Parameter(fake)` is such
+    an output (its `detach`). So under fake tensors any module conversion raised "Couldn't swap",
+    for every model. `tables` are memplan's own tables keyed weakly by tensor (`_ConstantShadows`).
+
+    Before the swap, the mode's memo entries for the two tensors are dropped (their keys are meta
+    tensors gone after the op, or a real tensor whose fake the swap changes: converting it again
+    must make a new fake) and the tables' entries are taken out; after it, the tables' entries
+    follow the contents they describe. The swap itself is torch's, as in eager: each parameter keeps
+    its identity (tied weights stay tied) and takes the converted tensor's dtype and device."""
+    original = torch.utils.swap_tensors
+
+    def drop_memo(tensor: torch.Tensor) -> None:
+        mode = getattr(tensor, "fake_mode", None) if isinstance(tensor, FakeTensor) else None
+        converter = getattr(mode, "fake_tensor_converter", None)
+        if converter is None:
+            return
+        memo = converter.tensor_memo
+        for ref in weakref.getweakrefs(tensor):
+            if isinstance(ref, weakref.KeyedRef) and memo.data.get(ref.key) is ref:
+                del memo[ref.key]
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        entries = [(table, table.pop(t1, _ABSENT), table.pop(t2, _ABSENT)) for table in tables]
+        drop_memo(t1)
+        drop_memo(t2)
+        try:
+            original(t1, t2)
+        except Exception:
+            for table, v1, v2 in entries:
+                for tensor, value in ((t1, v1), (t2, v2)):
+                    if value is not _ABSENT:
+                        table[tensor] = value
+            raise
+        for table, v1, v2 in entries:  # t1 holds what t2 held and the other way round
+            for tensor, value in ((t1, v2), (t2, v1)):
+                if value is not _ABSENT:
+                    table[tensor] = value
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
 def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = TraceRules(),
                transform: Callable[[nn.Module], nn.Module] | None = None) -> Trace:
     """Run the training step of `config` on `workload` under fake tensors and record it.
     `transform` is applied to the built model first (e.g. a checkpoint plan)."""
     recorder = _Recorder(rules)
     calls: list[ModuleCall] = []
-    with FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode():
-        with _ConstantShadows() as shadows:
+    shadows = _ConstantShadows()
+    with FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
+            _fake_parameters_swap(shadows.values.real, shadows.guessed):
+        with shadows:
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
