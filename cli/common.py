@@ -254,7 +254,7 @@ class MemplanGroup(TyperGroup):
                 print_json({"command": command, "error": message, "exit_code": 1})
             note(message)
             result = 1
-        except _click_exceptions.Abort:
+        except typer.Abort:
             note("aborted")
             result = 1
         code = result if isinstance(result, int) and not isinstance(result, bool) else 0

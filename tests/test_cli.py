@@ -596,3 +596,18 @@ def test_a_selective_plan_file_reads_back_into_a_module(tmp_path):
     result = runner.invoke(app, ["emit", str(plan_path), "-o", str(module), "--json"])
     assert result.exit_code == 0, result.output
     assert all(op.split(".")[1] in module.read_text() for op in kept)
+
+
+def test_help_into_a_pipe_closed_early_exits_without_a_traceback():
+    """`memplan verify --help | head -2`: the reader goes away mid-help; no traceback, a non-zero exit."""
+    import subprocess
+    from pathlib import Path
+
+    process = subprocess.Popen([sys.executable, "-m", "cli.main", "verify", "--help"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"COLUMNS": "80", "PATH": ""},
+                               cwd=Path(__file__).resolve().parents[1])
+    process.stdout.readline()
+    process.stdout.close()  # as head does after its lines
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) != 0
+    assert "Traceback" not in stderr, stderr
