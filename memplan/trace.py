@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -684,6 +685,54 @@ def _checkpoint_inputs_unhooked(pack: Callable[[torch.Tensor], torch.Tensor]) ->
         frame.save_inputs = original
 
 
+class _NotFake(torch.Tensor):
+    """What `torch._subclasses.FakeTensor` names for code outside torch while a step is traced: a
+    tensor class no tensor belongs to."""
+
+
+# Packages that see fake tensors as what they are: fake mode itself, the meta kernels, memplan.
+_SEES_FAKE = frozenset({"torch", "functorch", "memplan"})
+
+
+@contextlib.contextmanager
+def _fake_tensors_unseen() -> Iterator[None]:
+    """A real step has no fake tensors, so code that asks whether a tensor is one before reading its
+    values must be told no: the step then takes the branch a real step takes, and reads the values by
+    the rules of `_Recorder._scalar`. transformers' `is_tracing(t)` is `isinstance(t,
+    torch._subclasses.FakeTensor)` (utils/import_utils.py `is_fake_tensor`); told yes,
+    `find_packed_sequence_indices` kept a packed-sequence mask over the position ids, so SDPA
+    attention got a materialised causal mask and `repeat_kv` copies instead of `is_causal=True` and
+    `enable_gqa` (one to three attention-sized tensors over at the forward peak). While the step runs,
+    `torch._subclasses.FakeTensor` names a class no tensor belongs to for callers outside torch and
+    memplan (torch.compiler.is_compiling() and torch.jit.is_tracing() are False under fake tensors
+    already); `torch._subclasses.fake_tensor.FakeTensor`, what fake mode itself uses, stays."""
+    package = torch._subclasses
+    real = vars(package).get("FakeTensor")
+    if real is None:
+        yield
+        return
+    previous = vars(package).get("__getattr__")
+
+    def __getattr__(name: str) -> Any:
+        if name == "FakeTensor":
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            return real if caller.partition(".")[0] in _SEES_FAKE else _NotFake
+        if previous is not None:
+            return previous(name)
+        raise AttributeError(f"module {package.__name__!r} has no attribute {name!r}")
+
+    del package.FakeTensor  # a module's __getattr__ answers only the names its dict lacks
+    package.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        package.FakeTensor = real  # type: ignore[attr-defined]
+        if previous is not None:
+            package.__getattr__ = previous  # type: ignore[attr-defined]
+        else:
+            del package.__getattr__
+
+
 @contextlib.contextmanager
 def _deepcopy_shares_fake_mode() -> Iterator[None]:
     """`copy.deepcopy` of a fake tensor (nn.TransformerEncoder cloning its layer, an EMA copy of a
@@ -800,7 +849,8 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:
-            with rules.function_mode(), _LinearScopes(recorder), recorder, _module_scopes(recorder, prepared.model, calls), \
+            with rules.function_mode(), _fake_tensors_unseen(), _LinearScopes(recorder), recorder, \
+                    _module_scopes(recorder, prepared.model, calls), \
                     torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:

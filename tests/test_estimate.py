@@ -236,6 +236,30 @@ def test_models_written_elsewhere_match_the_allocator(factory, precision):
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
 
 
+def test_code_asking_whether_a_tensor_is_fake_is_told_no():
+    # A real step has no fake tensors: code that asks before reading values (transformers' is_tracing(t),
+    # isinstance(t, torch._subclasses.FakeTensor), which made SDPA attention build a causal mask and
+    # repeat_kv copies instead of is_causal=True and enable_gqa) takes the real step's branch
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if isinstance(h, torch._subclasses.FakeTensor):
+                h = h.repeat(16, 1)  # held only where the step looks traced
+            return h.pow(2).mean()
+
+    workload = Workload("asks_if_fake", lambda batch_size: (Net(), (torch.randn(batch_size, 64),)), 8, {})
+    config = StepConfig("fp32", "adamw", steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert (predicted.peak_bytes, predicted.phase_peaks) == (measured.measured_peak_bytes, measured.phase_peaks)
+    assert torch._subclasses.FakeTensor is torch._subclasses.fake_tensor.FakeTensor  # put back
+
+
 def test_lstm_flops_count_both_matrix_products_per_step():
     # torch.utils.flop_counter has no formula for RNN kernels; memplan's: 2 FLOPs per multiply-add of the
     # input and hidden products at every step (forward), twice that in backward (input and weight grads)
