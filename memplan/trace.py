@@ -647,6 +647,17 @@ def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
+    """What the tracer's pack hook hands autograd to keep: the saved tensor without its autograd node.
+    An op that saves its own output (tanh, softmax, exp) would otherwise keep, in its node, a tensor
+    that holds the node: a cycle that outlives a branch no backward runs through (a pooler's output
+    that no loss reads), where eager, which saves outputs without their node, frees it."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # not an op of the step
+        return tensor.detach()
+
+
 @contextlib.contextmanager
 def _checkpoint_inputs_unhooked(pack: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Saved-tensor hooks (the tracer's, which label saved storages as activations) make autograd
@@ -845,7 +856,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             sid = recorder.ids.get(tensor.untyped_storage())
             if sid is not None and recorder.storages[sid]["role"] == "temporaries":
                 recorder.storages[sid]["role"] = "activations"
-            return tensor
+            return _without_graph(tensor)
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:

@@ -304,3 +304,26 @@ def test_factory_converting_its_module_traces_as_in_eager(convert):
     measured = measure(workload, config, device="cpu")
     # a few bytes of AdamW's 0-dim scalar tensors the trace cannot see (as for frozen parameters above)
     assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= 16, (predicted.peak_bytes, measured.measured_peak_bytes)
+
+
+def test_a_branch_no_loss_reads_is_freed_with_its_output():
+    """A pooler whose output the loss never reads (a vision encoder feeding a decoder): tanh saves its
+    own output for a backward that never runs. Eager frees both with the model's output after the step;
+    the trace did not (its saved-tensor hook kept the output in tanh's node, which the output holds)."""
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(64, 64)
+            self.pooler = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+
+        def forward(self, x):
+            hidden = self.body(x)
+            return {"loss": hidden.square().mean(), "pooled": self.pooler(hidden[:, 0])}
+
+    workload = Workload("pooled", lambda batch_size=8: (Pooled(), (torch.randn(batch_size, 16, 64),)), None, {})
+    config = StepConfig("fp32", "adamw", steps=3)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= 16, (predicted.peak_bytes, measured.measured_peak_bytes)
+    assert predicted.phase_peaks["optimizer"] == measured.phase_peaks["optimizer"]
