@@ -242,11 +242,11 @@ class _Recorder(TorchDispatchMode):
         # open F.linear calls: (bias storage, index of the first op inside the call)
         self.linear_calls: list[tuple[torch.UntypedStorage, int]] = []
         self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
-        # Values of the small integer and bool tensors computed from constants and other known values
-        # alone (nonzero's assumed selection, its rows, an index compared with a constant): reading
-        # them back (`if expert_idx == num_experts: continue`) takes the branch the values say.
-        self.known = _RealValues(
-            lambda t: not t.is_floating_point() and not t.is_complex() and t.numel() <= _KNOWN_LIMIT)
+        # Values of the small tensors computed from constants and other known values alone (nonzero's
+        # assumed selection, its rows, an index compared with a constant, a float mask made from a
+        # constant one): reading them back (`if expert_idx == num_experts: continue`, Longformer's
+        # `(mask > 0).any().item()`) takes the branch the values say.
+        self.known = _RealValues(lambda t: not t.is_complex() and t.numel() <= _KNOWN_LIMIT)
 
     # -- storages -------------------------------------------------------------------------------
 

@@ -327,3 +327,28 @@ def test_a_branch_no_loss_reads_is_freed_with_its_output():
     measured = measure(workload, config, device="cpu")
     assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= 16, (predicted.peak_bytes, measured.measured_peak_bytes)
     assert predicted.phase_peaks["optimizer"] == measured.phase_peaks["optimizer"]
+
+
+def test_a_branch_on_a_float_mask_made_from_constants_reads_its_values():
+    """Longformer: `extended = (1.0 - ones) * finfo.min`, then `if (extended > 0).any().item()` (global
+    attention). The mask is float, but made from constants alone: its values are known, so the step
+    takes the real branch (it read 1, took the global-attention path and failed an assertion)."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            mask = torch.ones(x.shape[:2])
+            extended = (1.0 - mask) * torch.finfo(torch.float32).min
+            h = self.fc(x)
+            if (extended > 0).any().item():  # never, in a real step
+                h = h.repeat(16, 1, 1)
+            return h.pow(2).mean()
+
+    workload = Workload("masked", lambda batch_size=8: (Masked(), (torch.randn(batch_size, 16, 64),)), None, {})
+    config = StepConfig("fp32", "adamw", steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert predicted.peak_bytes == measured.measured_peak_bytes, (predicted.peak_bytes, measured.measured_peak_bytes)
