@@ -261,7 +261,7 @@ def _chained(previous: ModuleCall, call: ModuleCall) -> bool:
     it (`x = block(x)[0]`), and passes both the same other arguments (`x = block(x, mask)`): a
     checkpointed run hands each member the previous one's output as it is, and the first one's others."""
     return (bool(previous.outputs) and call.inputs[: len(previous.outputs)] == previous.outputs
-            and call.arguments == previous.arguments)
+            and call.first_argument == previous.output_object != 0 and call.arguments == previous.arguments)
 
 
 def unsafe_reason(

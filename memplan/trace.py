@@ -165,6 +165,10 @@ class ModuleCall:
     # positional ones, then (keyword, value); a tensor by its storage, a plain constant by value, any
     # other object by identity
     arguments: tuple = ()
+    # identities of its first positional argument and of its output (0: none): a run's next member
+    # must be handed this output itself, not a part of it (`x = layer(x)[0]`)
+    first_argument: int = 0
+    output_object: int = 0
 
 
 @dataclass(frozen=True)
@@ -476,7 +480,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
             calls.append(
                 ModuleCall(
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
-                    tensor_ids(output), arguments(args, kwargs),
+                    tensor_ids(output), arguments(args, kwargs), id(args[0]) if args else 0, id(output),
                 )
             )
 
