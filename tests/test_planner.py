@@ -373,6 +373,45 @@ def test_a_run_needs_its_members_called_with_the_same_other_arguments():
     assert measured <= budget and abs(measured - plan.predicted_peak_bytes) <= 1e-4 * measured
 
 
+class _Patches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.projection = nn.Conv2d(3, 32, 4, stride=4)
+
+    def forward(self, x):
+        x = self.projection(x)
+        return x.flatten(2).transpose(1, 2), x.shape[2:]  # as Swinv2's patch embeddings: (x, dims)
+
+
+class _PatchEmbeddings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.patches = _Patches()
+        self.norm = nn.LayerNorm(32)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        x, _ = self.patches(x)
+        return self.drop(self.norm(x))
+
+
+def test_a_run_needs_each_member_handed_the_whole_output_of_the_one_before():
+    """Swinv2 and Perceiver: `x, dims = patches(x); norm(x)`. The norm reads the patches' only output
+    tensor, but not their output: a run would hand it the tuple (layer_norm(): argument 'input' must be
+    Tensor, not tuple), so the two never make one; the plan runs and measures as predicted."""
+    model = lambda batch_size=64: (nn.Sequential(_PatchEmbeddings(), nn.Linear(32, 1)),
+                                   (torch.randn(batch_size, 3, 32, 32),))
+    workload = Workload("patches", model, None, {})
+    unplanned, trace = estimate_and_trace(workload, CONFIG, device="cpu")
+    _, spans = _spans_by_paths(trace)
+    assert ("0.norm", "0.drop") in spans
+    assert not any("0.patches" in paths and len(paths) > 1 for paths in spans)
+    budget = unplanned.peak_bytes - unplanned.breakdown.activations // 4
+    plan = plan_checkpoints(workload, CONFIG, budget, device="cpu").plan
+    measured = measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 1e-4 * measured
+
+
 def test_nested_candidates_reach_every_depth_and_cover_exactly_their_modules():
     _, trace = estimate_and_trace(_gpt(4), CONFIG, device="cpu")
     nested, spans = _spans_by_paths(trace)
