@@ -525,6 +525,21 @@ class _LinearScopes(torch.overrides.TorchFunctionMode):
 _TYPICAL_PREDICATES = {torch.ops.aten.any.default: False, torch.ops.aten.all.default: True}
 
 
+# The median of a random op's distribution, by op. A single draw reads as it, so a comparison with the
+# draw takes its more likely branch, as most real steps do: transformers' layerdrop, `if
+# torch.rand([]) < layerdrop: continue`, runs the layer (a draw read as 1 skipped every layer). Many
+# draws are left unknown: how many of them pass a test is a count, which no one draw stands for.
+_DRAW_MEDIANS: dict[Any, Callable[..., float]] = {
+    torch.ops.aten.rand: lambda *_, **__: 0.5,
+    torch.ops.aten.rand_like: lambda *_, **__: 0.5,
+    torch.ops.aten.uniform: lambda _self, low=0.0, high=1.0, *_, **__: (low + high) / 2,
+    torch.ops.aten.uniform_: lambda _self, low=0.0, high=1.0, *_, **__: (low + high) / 2,
+    torch.ops.aten.randn: lambda *_, **__: 0.0,
+    torch.ops.aten.randn_like: lambda *_, **__: 0.0,
+    torch.ops.aten.normal_: lambda _self, mean=0.0, *_, **__: mean,
+}
+
+
 class _RealValues:
     """Real values kept beside small fake tensors whose values are known: computed by deterministic
     ops from Python constants and other known values alone (or from real tensors, which are their own
@@ -586,6 +601,13 @@ class _RealValues:
             for g, state in zip(generators, states):
                 g.set_state(state)
 
+    def median(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        """A single draw's stand-in value (`_DRAW_MEDIANS`)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            return torch.full(out.shape, _DRAW_MEDIANS[func._overloadpacket](*args, **kwargs), dtype=out.dtype)
+
     def keep(self, fakes: list[Any], reals: list[Any]) -> None:
         """Pair the fake outputs with their real values (both flattened)."""
         for fake, real in zip(fakes, reals):
@@ -609,6 +631,9 @@ class _RealValues:
         if (outputs or written) and all(self.keeps(t) for t in outputs):
             random = self.draws and all(not t.is_floating_point() and not t.is_complex() for t in (*outputs, *written))
             real_out = self.compute(func, args, kwargs, written, random)
+            if real_out is None and func._overloadpacket in _DRAW_MEDIANS and len(outputs) == 1 \
+                    and outputs[0].numel() == 1:
+                real_out = self.median(func, args, kwargs, outputs[0])
         if real_out is None:
             if written and self.storages:
                 self.forget(written)

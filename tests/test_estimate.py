@@ -352,3 +352,44 @@ def test_a_branch_on_a_float_mask_made_from_constants_reads_its_values():
     predicted = estimate(workload, config, device="cpu")
     measured = measure(workload, config, device="cpu")
     assert predicted.peak_bytes == measured.measured_peak_bytes, (predicted.peak_bytes, measured.measured_peak_bytes)
+
+
+@pytest.mark.parametrize(
+    "draw, skip_when",
+    [
+        ("rand", 0.0),  # transformers' layerdrop at 0: never skips
+        ("rand", 1.0),  # always skips
+        ("uniform_", 0.0),
+        ("randn", -1e9),  # a normal draw far below any real one: never skips
+    ],
+)
+def test_a_branch_on_a_single_random_draw_takes_the_likelier_side(draw, skip_when):
+    """Layerdrop: `if torch.rand([]) < p: continue`. The draw is unknown while tracing; read as the
+    middle of its distribution, the comparison takes the branch most real steps take (read as 1, it
+    skipped every layer, and HuBERT's estimate came out 80% short). The thresholds here make the
+    real step's branch certain, so the allocator's measure is the ground truth."""
+    draws = {
+        "rand": lambda: torch.rand([]),
+        "uniform_": lambda: torch.empty(()).uniform_(),
+        "randn": lambda: torch.randn([]),
+    }
+
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(64, 64)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3))
+
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                if self.training and draws[draw]() < skip_when:
+                    continue
+                x = x + layer(x)
+            return x.pow(2).mean()
+
+    workload = Workload("layerdrop", lambda batch_size=8: (LayerDrop(), (torch.randn(batch_size, 16, 64),)), None, {})
+    config = StepConfig("fp32", "adamw", steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert predicted.peak_bytes == measured.measured_peak_bytes, (predicted.peak_bytes, measured.measured_peak_bytes)
