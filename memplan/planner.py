@@ -552,19 +552,20 @@ def plan_checkpoints(
         return solved[budget]
 
     searched: dict[tuple[Segment, ...], Outcome[Solution]] = {}
-    unchecked: list[Outcome[Solution]] = []
+    rejected: Outcome[Solution] | None = None  # the caller's rejection ends the search: at most one
 
     def worth_verifying(outcome: Outcome[Solution]) -> bool:
+        nonlocal rejected
         if worth_checking(outcome.plan):
             return True
-        unchecked.append(outcome)
+        rejected = outcome
         return False
 
     checked = verified_search(search, re_estimate, lambda o: float(o.plan.recompute_flops), VERIFICATIONS,
                               in_time, worth_verifying=worth_verifying)
     fitting = [o for o in checked if o.plan.feasible]
-    if unchecked and not fitting:
-        return PlanResult(unchecked[0].plan, unplanned, unchecked[0].planned, candidates, unchecked[0].solution,
+    if rejected is not None and not fitting:
+        return PlanResult(rejected.plan, unplanned, rejected.planned, candidates, rejected.solution,
                           peak_floor(trace, block_bytes), checked=False)
     if fitting:
         best = min(fitting, key=lambda o: o.plan.recompute_flops)
