@@ -926,6 +926,8 @@ def _register_baseline(recorder: _Recorder, prepared: PreparedStep) -> None:
         recorder.register(b, "weights")
     for _, master in prepared.master_pairs:
         recorder.register(master, "optimizer_state")  # fp32 master copies: optimizer state, as in ZeRO
+    for state in _optimizer_state(prepared):  # what the optimizer makes when built (Adagrad's sums)
+        recorder.register(state, "optimizer_state")
     for value in _input_tensors(prepared):
         recorder.register(value, "inputs")
 

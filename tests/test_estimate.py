@@ -8,7 +8,7 @@ from torch import nn
 from memplan.devices import cublas_workspace_bytes, cuda_block_bytes, cuda_model, device_model
 from memplan.estimate import estimate, simulate
 from memplan.optim8bit import AdamW8bitLayout
-from memplan.step import StepConfig
+from memplan.step import OPTIMIZERS, StepConfig
 from memplan.trace import Event, Op, Storage, Trace
 from memplan.verify import measure
 from memplan.workload import Workload, resolve_workload
@@ -43,6 +43,20 @@ def test_cpu_estimate_matches_allocator(name, precision, optimizer, grad_accum):
     for phase in ("forward", "backward", "optimizer"):
         truth = measured.phase_peaks[phase]
         assert abs(predicted.phase_peaks[phase] - truth) <= 0.01 * truth, (phase, predicted.phase_peaks, measured.phase_peaks)
+
+
+@pytest.mark.parametrize("optimizer", [name for name, rule in OPTIMIZERS.items() if not rule.needs_cuda])
+def test_every_optimizers_state_is_counted_from_when_it_is_made(optimizer):
+    """Adagrad makes its state when it is built, before the first step (its sums, at
+    initial_accumulator_value); the others at their first step. The estimate missed Adagrad's: 25% short
+    of the allocator."""
+    workload = _tiny("mlp")
+    config = StepConfig(optimizer=optimizer, steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= 16, (predicted.peak_bytes, measured.measured_peak_bytes)
+    for phase in ("forward", "backward", "optimizer"):
+        assert abs(predicted.phase_peaks[phase] - measured.phase_peaks[phase]) <= 16, (phase, predicted.phase_peaks, measured.phase_peaks)
 
 
 def test_frozen_parameters_get_no_gradient_or_state():
