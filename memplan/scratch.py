@@ -30,6 +30,7 @@ cuBLAS-Lt workspaces are chosen at run time and are left to the device model.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -371,7 +372,14 @@ def _wrapped_dtype(value: Any) -> torch.dtype:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    return dtype.itemsize
+
+
+@functools.cache
+def _promote_types(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """torch.promote_types, remembered: the rules run on every op of a trace, where a torch function
+    call passes through the tracer's function mode (_LinearScopes) first."""
+    return torch.promote_types(a, b)
 
 
 def _result_type(operands: list[tuple[torch.dtype, int, bool]]) -> torch.dtype | None:
@@ -389,7 +397,7 @@ def _result_type(operands: list[tuple[torch.dtype, int, bool]]) -> torch.dtype |
             slot = 2
         else:
             slot = 1 if dim == 0 else 0
-        results[slot] = dtype if results[slot] is None else torch.promote_types(results[slot], dtype)
+        results[slot] = dtype if results[slot] is None else _promote_types(results[slot], dtype)
 
     def combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
         # TypeProperties.cpp combine_categories
@@ -398,11 +406,11 @@ def _result_type(operands: list[tuple[torch.dtype, int, bool]]) -> torch.dtype |
         if lower is None or higher.is_complex:
             return higher
         if lower.is_complex:
-            return torch.promote_types(higher, torch.complex64) if higher.is_floating_point else lower
+            return _promote_types(higher, torch.complex64) if higher.is_floating_point else lower
         if higher.is_floating_point:
             return higher
         if higher == torch.bool or lower.is_floating_point:
-            return torch.promote_types(higher, lower)
+            return _promote_types(higher, lower)
         return higher
 
     return combine(results[0], combine(results[1], results[2]))
@@ -519,7 +527,7 @@ def _reduction_input_copy(self: torch.Tensor, in_dtype: torch.dtype) -> int:
     output's dtype (make_reduction_from_out_ty: `in_dtype = out_dtype` unless complex or CUDA), through
     a full copy `self.to(in_dtype)` when its own dtype differs."""
     if self.is_complex() and not in_dtype.is_complex:
-        in_dtype = torch.promote_types(in_dtype, torch.complex64)
+        in_dtype = _promote_types(in_dtype, torch.complex64)
     return 0 if self.dtype == in_dtype else self.numel() * _itemsize(in_dtype)
 
 
