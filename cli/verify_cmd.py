@@ -231,6 +231,9 @@ def _table(
     ]
     if measurement.later_steps_peak_bytes is not None:
         extra.append(("later steps peak", _fmt(measurement.later_steps_peak_bytes)))
+    if measurement.skipped_updates:
+        skipped = f"{measurement.skipped_updates} step(s) whose update the GradScaler skipped (inf/NaN gradients)"
+        extra.append(("run again", skipped))
     if measurement.measured_reserved_bytes is not None:
         extra.append(("reserved (caching allocator)", _fmt(measurement.measured_reserved_bytes)))
     if measurement.cuda_context_bytes is not None:

@@ -9,6 +9,7 @@ memory) both run, so that a prediction and its measurement always mean the same 
             [autocast] loss = loss_of(model(inputs)) / grad_accum; [scaled] backward
             (the output and the loss are released after backward)
         [unscale] optimizer.step(); [scaler.update()]; optimizer.zero_grad(set_to_none=True)
+        a step whose update the GradScaler skipped (inf/NaN gradients) runs again, as training would
 
 Precisions and optimizers are registries (name -> rule); `run_steps` reports each phase boundary
 through a callback so that the caller can measure or tag what happens in between.
@@ -290,19 +291,29 @@ def default_autocast(device_type: str, dtype: torch.dtype) -> contextlib.Abstrac
     return torch.autocast(device_type, dtype=dtype)
 
 
+# GradScaler's first scale, 2**16, overflows the fp16 gradients of many models: it skips the update and
+# halves the scale until the gradients are finite. Those steps hold no optimizer state yet, so a step
+# whose update was skipped runs again, as training goes on, until the update is applied; after this
+# many repeats (a scale of 1: the gradients overflow unscaled) the steps count as they are.
+MAX_SKIPPED_UPDATES = 16
+
+
 def run_steps(
     prepared: PreparedStep,
     config: StepConfig,
     on_phase: PhaseCallback = lambda phase, step: None,
     autocast: Callable[[str, torch.dtype], contextlib.AbstractContextManager] = default_autocast,
-) -> None:
-    """Run `config.steps` training steps. `on_phase(phase, step)` is called as each phase begins
-    ("forward", "backward", "optimizer") and with ("end", step) when a step is over."""
+) -> int:
+    """Run `config.steps` training steps whose updates were applied. `on_phase(phase, step)` is called as
+    each phase begins ("forward", "backward", "optimizer") and with ("end", step) when a step is over; a
+    step whose update the GradScaler skipped runs again under the same number. Returns how many ran
+    again (at most MAX_SKIPPED_UPDATES)."""
     precision = precision_rule(config.precision)
     model, scaler = prepared.model, prepared.scaler
     device_type = prepared.device.type
+    step = skipped = 0
     with _tf32(precision.tf32):
-        for step in range(config.steps):
+        while step < config.steps:
             for _ in range(config.grad_accum):
                 on_phase("forward", step)
                 with autocast(device_type, precision.autocast_dtype) if precision.autocast_dtype else contextlib.nullcontext():
@@ -316,18 +327,27 @@ def run_steps(
                 (scaler.scale(loss) if scaler else loss).backward()
                 del output, loss
             on_phase("optimizer", step)
-            _optimizer_step(prepared)
+            applied = _optimizer_step(prepared)
             on_phase("end", step)
+            if applied or skipped == MAX_SKIPPED_UPDATES:
+                step += 1
+            else:
+                skipped += 1
+    return skipped
 
 
-def _optimizer_step(prepared: PreparedStep) -> None:
+def _optimizer_step(prepared: PreparedStep) -> bool:
+    """One update (unscaled, master weights copied back); False where the GradScaler skipped it."""
     optimizer, scaler = prepared.optimizer, prepared.scaler
     for param, master in prepared.master_pairs:
         if param is not master and param.grad is not None:
             master.grad = param.grad.float()
             param.grad = None
+    applied = True
     if scaler:
         scaler.step(optimizer)  # unscales, skips the step on inf/nan
+        # what GradScaler.step checked (under tracing a found-inf flag reads "none": memplan.trace)
+        applied = not sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
         scaler.update()
     else:
         optimizer.step()
@@ -336,6 +356,7 @@ def _optimizer_step(prepared: PreparedStep) -> None:
             if param is not master:
                 param.copy_(master)
     optimizer.zero_grad(set_to_none=True)
+    return applied
 
 
 def _call(model: nn.Module, inputs: tuple | dict) -> Any:

@@ -71,6 +71,7 @@ class Measurement:
     oom_message: str | None = None
     plan_method: str | None = None  # the plan applied, if any
     snapshot_path: str | None = None  # CUDA memory snapshot written, if asked for
+    skipped_updates: int = 0  # steps run again because the GradScaler skipped their update (run_steps)
 
     @property
     def fits(self) -> bool:
@@ -97,6 +98,7 @@ class Measurement:
             "oom_message": self.oom_message,
             "plan": self.plan_method,
             "snapshot": self.snapshot_path,
+            "skipped_updates": self.skipped_updates,
         }
 
 
@@ -297,6 +299,7 @@ def _result(
     context: int | None = None,
     total: int | None = None,
     snapshot: Path | None = None,
+    skipped_updates: int = 0,
 ) -> Measurement:
     step_peaks = peaks.step_peaks() or (baseline,)
     return Measurement(
@@ -318,6 +321,7 @@ def _result(
         oom_message=_first_line(oom_error) if oom_error is not None else None,
         plan_method=plan.method if plan is not None else None,
         snapshot_path=str(snapshot) if snapshot is not None else None,
+        skipped_updates=skipped_updates,
     )
 
 
@@ -343,7 +347,7 @@ def _measure_cuda(
     reserved = 0
     prepared = None
     oom_error: BaseException | None = None
-    baseline = overall = 0
+    baseline = overall = skipped = 0
     context = total = None
     try:
         try:
@@ -367,7 +371,7 @@ def _measure_cuda(
                 close_segment()
                 tracker.update(phase, step)
 
-            run_steps(prepared, config, on_phase)
+            skipped = run_steps(prepared, config, on_phase)
             close_segment()
         except torch.cuda.OutOfMemoryError as error:
             oom_error = error.with_traceback(None)  # the traceback would keep the step's tensors alive
@@ -402,6 +406,7 @@ def _measure_cuda(
         context=context,
         total=total,
         snapshot=snapshot,
+        skipped_updates=skipped,
     )
 
 
@@ -469,6 +474,7 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
         _mark(phase, step)
 
     oom_error: BaseException | None = None
+    skipped = 0
     profiler = torch.autograd.profiler.profile(use_kineto=True, use_cpu=True, profile_memory=True)
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collection at a random moment: the same run frees at the same moments
@@ -476,7 +482,7 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
         with quiet_stderr():
             profiler.__enter__()
         try:
-            run_steps(prepared, config, on_phase)
+            skipped = run_steps(prepared, config, on_phase)
         except (RuntimeError, MemoryError) as error:
             if not _is_cpu_oom(error):
                 raise
@@ -489,7 +495,7 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
             gc.enable()
         del prepared
     peaks, overall = _cpu_timeline(profiler.kineto_results, baseline)
-    return _result("cpu", "cpu", config, peaks, baseline, overall, tracker, oom_error, plan)
+    return _result("cpu", "cpu", config, peaks, baseline, overall, tracker, oom_error, plan, skipped_updates=skipped)
 
 
 def _cpu_timeline(results: Any, baseline: int) -> tuple[_Peaks, int]:

@@ -548,3 +548,27 @@ def test_prediction_on_a_gpu_models_that_gpu(monkeypatch) -> None:
     assert predict(workload, config, "cuda").peak_bytes == on_a100
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     assert predict(workload, config, "cuda").peak_bytes == estimate(workload, config, "cuda").peak_bytes
+
+
+def test_a_step_whose_update_the_grad_scaler_skipped_runs_again():
+    """amp-fp16: the loss's gradient, 2 x GradScaler's first scale 2**16, overflows fp16 (max 65504), as
+    it does at the next scales; the scaler skips those updates, so Adam has no state yet. Training runs on; the
+    step contract runs such a step again, so the steps measured are the ones the estimator traces
+    (where overflow never happens), Adam's state included."""
+    from memplan.estimate import estimate
+
+    class Doubled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.fc(x).float().sum() * 2
+
+    workload = Workload("doubled", lambda batch_size=4: (Doubled(), (torch.randn(batch_size, 64),)), None, {})
+    config = StepConfig("amp-fp16", "adam", steps=2)
+    measured = measure(workload, config, device="cpu")
+    assert measured.skipped_updates >= 2
+    predicted = estimate(workload, config, device="cpu")
+    assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= 16, (predicted.peak_bytes, measured.measured_peak_bytes)
+    assert len(measured.step_peaks) == 2
