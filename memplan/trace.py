@@ -15,6 +15,8 @@ themselves (`memplan.devices`), CUDA's optimizer defaults and autocast op lists.
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import itertools
 import sys
 import weakref
@@ -774,6 +776,26 @@ def _fake_tensors_unseen() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _model_caches_emptied_after() -> Iterator[None]:
+    """What the model's code memoised while the step was traced (a functools cache: transformers'
+    BEiT caches its relative position index, a tensor) holds fake tensors: a real step later in the
+    process would get them back instead of making its own. Afterwards, every such cache that gained
+    entries is emptied (torch's and memplan's own hold no tensors of the step)."""
+    def model_caches() -> dict[Any, int]:
+        return {cache: cache.cache_info().currsize for cache in gc.get_objects()
+                if type(cache) is functools._lru_cache_wrapper  # isinstance would wake deprecated proxies
+                and str(getattr(cache, "__module__", "")).partition(".")[0] not in _SEES_FAKE}
+
+    before = model_caches()
+    try:
+        yield
+    finally:
+        for cache, size in model_caches().items():
+            if size > before.get(cache, 0):
+                cache.cache_clear()
+
+
+@contextlib.contextmanager
 def _deepcopy_shares_fake_mode() -> Iterator[None]:
     """`copy.deepcopy` of a fake tensor (nn.TransformerEncoder cloning its layer, an EMA copy of a
     model) deep-copies the tensor's `fake_mode` attribute too, and with it the mode's memo of weak
@@ -854,7 +876,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     recorder = _Recorder(rules)
     calls: list[ModuleCall] = []
     shadows = _ConstantShadows()
-    with FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
+    with _model_caches_emptied_after(), FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
             _fake_parameters_swap(shadows.values.real, shadows.guessed):
         with shadows:
             model, inputs = workload.build()

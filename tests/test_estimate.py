@@ -1,6 +1,8 @@
 """The estimator against the CPU allocator's own events (memplan.verify), and the CUDA rules
 against hand-computed cases."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -407,3 +409,34 @@ def test_a_branch_on_a_single_random_draw_takes_the_likelier_side(draw, skip_whe
     predicted = estimate(workload, config, device="cpu")
     measured = measure(workload, config, device="cpu")
     assert predicted.peak_bytes == measured.measured_peak_bytes, (predicted.peak_bytes, measured.measured_peak_bytes)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_index(n):
+    """A module-level cache holding a tensor, as transformers' BEiT caches its relative position index."""
+    return torch.arange(n * n).view(n, n) % 7
+
+
+def test_a_tensor_the_model_caches_while_traced_is_not_left_for_a_real_step():
+    """The trace fills the model's functools cache with a fake tensor; a real step later in the process
+    must not get it (it would fail, or skip the allocation), so the trace empties what it filled. The
+    real step then allocates the index at its first call and keeps it, as the trace predicted."""
+
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.zeros(7, 4))
+            self.fc = nn.Linear(64, 4)
+
+        def forward(self, x):
+            bias = self.table[_cached_index(64).view(-1)].view(64, 64, 4)
+            return (self.fc(x).unsqueeze(1) + bias).pow(2).mean()
+
+    workload = Workload("biased", lambda batch_size=2: (Biased(), (torch.randn(64, 64),)), None, {})
+    config = StepConfig("fp32", "sgd-momentum", steps=2)
+    _cached_index.cache_clear()
+    predicted = estimate(workload, config, device="cpu")
+    assert _cached_index.cache_info().currsize == 0
+    measured = measure(workload, config, device="cpu")
+    assert predicted.peak_bytes == measured.measured_peak_bytes
+    assert predicted.phase_peaks == dict(measured.phase_peaks)
