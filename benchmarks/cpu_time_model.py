@@ -1,0 +1,186 @@
+"""The CPU time model (memplan.timing.CPU) against measured step time, per kind of checkpoint segment.
+
+    python benchmarks/cpu_time_model.py [--runs 10] [--threads 2]
+
+On the 6-layer GPT of benchmarks/selective.py (d 256, batch 8), each probe plan checkpoints one kind
+of segment in all six blocks: whole blocks, attention, MLP (full recompute), and the selective
+policies plan_selective chooses at 30-50% budgets. Per plan: what the model adds to the step, split
+into its terms (recomputed matmul FLOPs, element-wise bytes, host dispatch, checkpoint hooks per saved
+tensor, the selective policy's per-op dispatch), and the measured extra seconds of one fp32 SGD step
+(the median over --runs rounds of planned - unplanned, the models taking turns).
+
+A second table: what a selective policy adds per op, by the size of the op's output, on a chain of 50
+multiplications (as benchmarks/cpu_calibration.py measures it on 4-byte tensors): keeping every output
+(MUST_SAVE) and recomputing every one (PREFER_RECOMPUTE), against the plain chain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import torch
+from selective import workloads
+from tabulate import tabulate
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from memplan.closed_loop import EstimateCache
+from memplan.emit import apply_plan
+from memplan.plan import Segment
+from memplan.selective import plan_selective
+from memplan.step import StepConfig, prepare_step, run_steps
+from memplan.timing import METADATA_QUERIES, POLICY_BLIND, bytes_moved, output_bytes, time_model
+
+TERMS = ("matmul", "element-wise", "dispatch", "hooks", "policy")
+
+
+def modelled_terms(trace, model) -> np.ndarray:
+    """Step 0's modelled seconds by term: FLOPs, element-wise bytes, host dispatch (memplan.timing.op_seconds)."""
+    terms = np.zeros(3)
+    for op in trace.ops:
+        if op.step != 0 or op.name in METADATA_QUERIES:
+            continue
+        variant = f"{op.name}[{op.variant}]"
+        key = variant if op.variant and variant in model.seconds_per_output_byte else op.name
+        terms += (op.flops / model.flops_per_s,
+                  max(bytes_moved(trace, op) / model.bytes_per_s,
+                      output_bytes(trace, op) * model.seconds_per_output_byte.get(key, 0.0)),
+                  model.seconds_per_op)
+    return terms
+
+
+def checkpoint_terms(trace, plan, model) -> np.ndarray:
+    """Hooks per saved tensor and policy dispatch per op (memplan.timing.checkpoint_seconds), apart."""
+    saved = seen = 0
+    for segment in plan.segments:
+        for path in segment.modules:
+            call = trace.first_forward_call(path)
+            ops = trace.ops[call.first_op : call.end_op]
+            saved += sum(trace.saved_tensors.get(op.index, 0) for op in ops)
+            if segment.policy == "selective":
+                seen += sum(op.name not in POLICY_BLIND for op in ops)
+    return np.array([saved * model.checkpoint_seconds_per_saved_tensor, seen * model.selective_seconds_per_op])
+
+
+def probe_plans(workload, config, cache, unplanned_peak):
+    """Each kind of segment in all six blocks: full ones, and every selective policy plan_selective chose."""
+    chosen: dict[tuple, None] = {}  # (segment's paths relative to its block, saved ops), in order
+    for fraction in (0.3, 0.4, 0.5):
+        for processor in ("cpu", "h100"):
+            result = plan_selective(workload, config, int(fraction * unplanned_peak), device="cpu",
+                                    processor=processor, cache=cache)
+            for segment in result.plan.segments:
+                if segment.policy == "selective":
+                    relative = tuple(path.split(".", 2)[-1] for path in segment.modules)  # "h.3.ln_2" -> "ln_2"
+                    chosen[(relative, segment.saved_ops)] = None
+    kinds = {
+        "whole blocks": [("",)], "ln_1+attn": [("ln_1", "attn")], "attn": [("attn",)],
+        "ln_2+mlp": [("ln_2", "mlp")], "mlp": [("mlp",)],
+    }
+    segments = {f"{name} (full)": [Segment(tuple(f"h.{i}.{m}".rstrip(".") for m in runs[0])) for i in range(6)]
+                for name, runs in kinds.items()}
+    for relative, saved in chosen:
+        whole = relative[0].isdigit()  # the block itself ("h.3" -> "3")
+        label = f"{'whole blocks' if whole else '+'.join(relative)} saving {len(saved)} ops"
+        segments[label] = [Segment((f"h.{i}",) if whole else tuple(f"h.{i}.{m}" for m in relative), "selective", saved)
+                           for i in range(6)]
+    return segments, result.plan
+
+
+def measured_extra(workload, config, plans, runs: int) -> tuple[list[float], float]:
+    """Median extra seconds of each plan's step over the unplanned one's, and the unplanned median."""
+    one = replace(config, steps=1)
+    steppers = []
+    for plan in (None, *plans):
+        torch.manual_seed(0)
+        model, inputs = workload.build()
+        steppers.append(prepare_step(apply_plan(model, plan) if plan else model, inputs, config, "cpu"))
+    order = list(range(len(steppers)))
+    extra: dict[int, list[float]] = {i: [] for i in order[1:]}
+    unplanned = []
+    for round_ in range(runs + 1):
+        seconds = {}
+        for i in order[round_ % len(order) :] + order[: round_ % len(order)]:
+            started = time.perf_counter()
+            run_steps(steppers[i], one)
+            seconds[i] = time.perf_counter() - started
+        if round_:  # the first round warms up
+            unplanned.append(seconds[0])
+            for i in order[1:]:
+                extra[i].append(seconds[i] - seconds[0])
+    return [statistics.median(extra[i]) for i in order[1:]], statistics.median(unplanned)
+
+
+CHAIN_OPS = 50
+
+
+def policy_cost_by_size(runs: int) -> list[tuple]:
+    """Per op of a 50-op chain: host seconds a selective policy adds over the plain chain, by output size."""
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(CHAIN_OPS):
+            x = x * 1.0001  # saves nothing for backward: a plain checkpoint recomputes nothing
+        return x
+
+    def policy(choice):
+        return lambda: create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: choice)
+
+    rows = []
+    for elements in (1, 1 << 14, 1 << 18, 1 << 20):
+        x = torch.ones(elements, requires_grad=True)
+        kinds = {
+            "plain": lambda x=x: chain(x).sum().backward(),
+            "MUST_SAVE": lambda x=x: checkpoint(chain, x, use_reentrant=False,
+                                                context_fn=policy(CheckpointPolicy.MUST_SAVE)).sum().backward(),
+            "PREFER_RECOMPUTE": lambda x=x: checkpoint(chain, x, use_reentrant=False,
+                                                       context_fn=policy(CheckpointPolicy.PREFER_RECOMPUTE)).sum().backward(),
+        }
+        seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for round_ in range(runs + 1):
+            for kind, step in kinds.items():  # interleaved
+                started = time.perf_counter()
+                step()
+                if round_:
+                    seconds[kind].append(time.perf_counter() - started)
+        median = {kind: statistics.median(values) for kind, values in seconds.items()}
+        rows.append((elements * 4, *(f"{1e6 * (median[k] - median['plain']) / CHAIN_OPS:.1f}"
+                                     for k in ("MUST_SAVE", "PREFER_RECOMPUTE"))))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
+    (_, workload), = list(workloads(["gpt-d256"], 8))
+    cache = EstimateCache()
+    unplanned, trace = cache.estimate(workload, config, "cpu")
+    model = time_model("cpu")
+    segments, template = probe_plans(workload, config, cache, unplanned.peak_bytes)
+    plans = [replace(template, segments=tuple(s), method="probe") for s in segments.values()]
+    base = modelled_terms(trace, model)
+    terms = np.array([np.r_[modelled_terms(cache.realise(workload, config, "cpu", plan)[1], model) - base,
+                            checkpoint_terms(trace, plan, model)] for plan in plans])
+    measured, unplanned_seconds = measured_extra(workload, config, plans, args.runs)
+    rows = [(label, *(f"{1e3 * t:.2f}" for t in row), f"{1e3 * row.sum():.2f}", f"{1e3 * m:.2f}",
+             f"{1e3 * (m - row.sum()):+.2f}") for label, row, m in zip(segments, terms, measured)]
+    print(f"unplanned step: measured {1e3 * unplanned_seconds:.1f} ms (median), modelled {1e3 * base.sum():.1f} ms")
+    print(tabulate(rows, headers=["6 segments of", *(f"{t} ms" for t in TERMS), "model ms", "measured ms",
+                                  "measured - model"]))
+    print()
+    print(tabulate(policy_cost_by_size(args.runs), headers=["output bytes", "MUST_SAVE adds us/op",
+                                                            "PREFER_RECOMPUTE adds us/op"]))
+
+
+if __name__ == "__main__":
+    main()
