@@ -28,15 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from selective import workloads
+from selective import timed_rounds, workloads
 from tabulate import tabulate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memplan.closed_loop import EstimateCache
-from memplan.emit import apply_plan
 from memplan.plan import Segment
 from memplan.selective import plan_selective
-from memplan.step import StepConfig, prepare_step, run_steps
+from memplan.step import StepConfig
 from memplan.timing import METADATA_QUERIES, POLICY_BLIND, bytes_moved, output_bytes, time_model
 
 TERMS = ("matmul", "element-wise", "dispatch", "hooks", "policy")
@@ -96,27 +95,10 @@ def probe_plans(workload, config, cache, unplanned_peak):
 
 
 def measured_extra(workload, config, plans, runs: int) -> tuple[list[float], float]:
-    """Median extra seconds of each plan's step over the unplanned one's, and the unplanned median."""
-    one = replace(config, steps=1)
-    steppers = []
-    for plan in (None, *plans):
-        torch.manual_seed(0)
-        model, inputs = workload.build()
-        steppers.append(prepare_step(apply_plan(model, plan) if plan else model, inputs, config, "cpu"))
-    order = list(range(len(steppers)))
-    extra: dict[int, list[float]] = {i: [] for i in order[1:]}
-    unplanned = []
-    for round_ in range(runs + 1):
-        seconds = {}
-        for i in order[round_ % len(order) :] + order[: round_ % len(order)]:
-            started = time.perf_counter()
-            run_steps(steppers[i], one)
-            seconds[i] = time.perf_counter() - started
-        if round_:  # the first round warms up
-            unplanned.append(seconds[0])
-            for i in order[1:]:
-                extra[i].append(seconds[i] - seconds[0])
-    return [statistics.median(extra[i]) for i in order[1:]], statistics.median(unplanned)
+    """Median extra seconds of each plan's step over the unplanned one's (per round), and the unplanned median."""
+    unplanned, *timed = timed_rounds(workload, config, plans, runs)
+    extra = [statistics.median(t - u for t, u in zip(rounds, unplanned)) for rounds in timed]
+    return extra, statistics.median(unplanned)
 
 
 CHAIN_OPS = 50

@@ -78,31 +78,36 @@ def gradients_equal_eager(workload, plan) -> bool:
         torch.allclose(planned[name], grad, rtol=1e-5, atol=1e-6) for name, grad in eager.items())
 
 
-def step_overheads(workload, config, plans, runs: int) -> list[float | None]:
-    """CPU step-time overhead % of each plan (None: not measured) against the unplanned model: the
-    median over `runs` interleaved rounds of planned / unplanned - 1. Plans with equal segments are timed once."""
+def timed_rounds(workload, config, plans, runs: int) -> list[list[float]]:
+    """Seconds of one fp32 step of the unplanned model and of each plan's, per round: the models take
+    turns, step by step (the order rotating each round), so that drift and other load on the machine hit
+    all alike; `runs` rounds after one that warms up. Row i: the unplanned model (0), then plans[i - 1]."""
     one = replace(config, steps=1)
-    distinct = list(dict.fromkeys(p.segments for p in plans if p is not None))
     steppers = []
-    for segments in ((), *distinct):
+    for plan in (None, *plans):
         torch.manual_seed(0)
         model, inputs = workload.build()
-        if segments:
-            model = apply_plan(model, next(p for p in plans if p is not None and p.segments == segments))
-        steppers.append(prepare_step(model, inputs, config, "cpu"))
+        steppers.append(prepare_step(apply_plan(model, plan) if plan is not None else model, inputs, config, "cpu"))
     order = list(range(len(steppers)))
-    ratios: dict[int, list[float]] = {i: [] for i in order[1:]}
+    seconds: list[list[float]] = [[] for _ in order]
     for round_ in range(runs + 1):
-        seconds = {}
         for i in order[round_ % len(order) :] + order[: round_ % len(order)]:
             started = time.perf_counter()
             run_steps(steppers[i], one)
-            seconds[i] = time.perf_counter() - started
-        if round_ > 0:  # the first round warms up
-            for i in order[1:]:
-                ratios[i].append(seconds[i] / seconds[0] - 1)
-    return [None if p is None else 100 * statistics.median(ratios[1 + distinct.index(p.segments)]) if p.segments
-            else 0.0 for p in plans]
+            if round_ > 0:  # the first round warms up
+                seconds[i].append(time.perf_counter() - started)
+    return seconds
+
+
+def step_overheads(workload, config, plans, runs: int) -> list[float | None]:
+    """CPU step-time overhead % of each plan (None: not measured) against the unplanned model: the
+    median over `runs` interleaved rounds of planned / unplanned - 1. Plans with equal segments are timed once."""
+    distinct = list(dict.fromkeys(p.segments for p in plans if p is not None and p.segments))
+    unplanned, *timed = timed_rounds(
+        workload, config, [next(p for p in plans if p is not None and p.segments == s) for s in distinct], runs)
+    overhead = {s: 100 * statistics.median(t / u - 1 for t, u in zip(rounds, unplanned))
+                for s, rounds in zip(distinct, timed)}
+    return [None if p is None else overhead[p.segments] if p.segments else 0.0 for p in plans]
 
 
 def main() -> None:

@@ -21,6 +21,14 @@ def _tiny(name, batch=2, **extra):
     return resolve_workload(name, batch, {**TINY_OVERRIDES[name], **extra})
 
 
+def _estimated_as_measured(workload, config, within=0):
+    """The CPU estimate and the allocator's measure of the same step, their peaks `within` bytes."""
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= within, (predicted.peak_bytes, measured.measured_peak_bytes)
+    return predicted, measured
+
+
 @pytest.mark.parametrize(
     "name, precision, optimizer, grad_accum",
     [
@@ -52,11 +60,7 @@ def test_every_optimizers_state_is_counted_from_when_it_is_made(optimizer):
     """Adagrad makes its state when it is built, before the first step (its sums, at
     initial_accumulator_value); the others at their first step. The estimate missed Adagrad's: 25% short
     of the allocator."""
-    workload = _tiny("mlp")
-    config = StepConfig(optimizer=optimizer, steps=2)
-    predicted = estimate(workload, config, device="cpu")
-    measured = measure(workload, config, device="cpu")
-    assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= 16, (predicted.peak_bytes, measured.measured_peak_bytes)
+    predicted, measured = _estimated_as_measured(_tiny("mlp"), StepConfig(optimizer=optimizer, steps=2), within=16)
     for phase in ("forward", "backward", "optimizer"):
         assert abs(predicted.phase_peaks[phase] - measured.phase_peaks[phase]) <= 16, (phase, predicted.phase_peaks, measured.phase_peaks)
 
@@ -364,10 +368,7 @@ def test_a_branch_on_a_float_mask_made_from_constants_reads_its_values():
             return h.pow(2).mean()
 
     workload = Workload("masked", lambda batch_size=8: (Masked(), (torch.randn(batch_size, 16, 64),)), None, {})
-    config = StepConfig("fp32", "adamw", steps=2)
-    predicted = estimate(workload, config, device="cpu")
-    measured = measure(workload, config, device="cpu")
-    assert predicted.peak_bytes == measured.measured_peak_bytes, (predicted.peak_bytes, measured.measured_peak_bytes)
+    _estimated_as_measured(workload, StepConfig("fp32", "adamw", steps=2))
 
 
 @pytest.mark.parametrize(
@@ -405,10 +406,7 @@ def test_a_branch_on_a_single_random_draw_takes_the_likelier_side(draw, skip_whe
             return x.pow(2).mean()
 
     workload = Workload("layerdrop", lambda batch_size=8: (LayerDrop(), (torch.randn(batch_size, 16, 64),)), None, {})
-    config = StepConfig("fp32", "adamw", steps=2)
-    predicted = estimate(workload, config, device="cpu")
-    measured = measure(workload, config, device="cpu")
-    assert predicted.peak_bytes == measured.measured_peak_bytes, (predicted.peak_bytes, measured.measured_peak_bytes)
+    _estimated_as_measured(workload, StepConfig("fp32", "adamw", steps=2))
 
 
 @functools.lru_cache(maxsize=4)
