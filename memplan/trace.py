@@ -18,6 +18,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import math
 import sys
 import weakref
 from collections import Counter
@@ -231,6 +232,47 @@ class TraceRules:
     function_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
+def _eager_view_strides(old_shape: tuple[int, ...], old_stride: tuple[int, ...],
+                        new_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides eager's view gives (aten/src/ATen/TensorUtils.cpp at::detail::computeStride); None
+    where it would refuse. Fake mode's view (torch._refs) strides size-1 dimensions its own way, and a
+    size-1 dimension's stride decides memory-format choices: eager viewed SegFormer's (1, 16, 64)
+    transposed tokens as (1, 16, 8, 8) with strides (16, 1, 128, 16), not channels-last, so its
+    convolution wrote a contiguous output where fake mode's (1024, 1, 128, 16) made a channels-last one,
+    and the layouts after it, and their copies, parted (20 KB over at SegFormer's forward peak)."""
+    if not old_shape or math.prod(old_shape) == 0:
+        return None
+    new_stride = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base_stride, tensor_numel, view_numel = old_stride[-1], 1, 1
+    for tensor_d in range(len(old_shape) - 1, -1, -1):
+        tensor_numel *= old_shape[tensor_d]
+        if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
+                             and old_stride[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_stride[view_d] = view_numel * chunk_base_stride
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride, tensor_numel, view_numel = old_stride[tensor_d - 1], 1, 1
+    return tuple(new_stride) if view_d == -1 else None
+
+
+_EAGER_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
+def _as_eager_views(func: Any, args: tuple, out: Any) -> Any:
+    """A view's fake output restrided as eager's (`_eager_view_strides`); anything else as it is."""
+    if func not in _EAGER_VIEWS or not isinstance(out, torch.Tensor):
+        return out
+    strides = _eager_view_strides(tuple(args[0].shape), tuple(args[0].stride()), tuple(out.shape))
+    if strides is None or strides == tuple(out.stride()):
+        return out
+    return torch.ops.aten.as_strided.default(out, out.shape, strides, out.storage_offset())
+
+
 class _Recorder(TorchDispatchMode):
     """Sees every aten op above the fake mode; records storages and their lifetimes."""
 
@@ -301,7 +343,7 @@ class _Recorder(TorchDispatchMode):
             if not exact:
                 self.approximate.append(str(func))
         else:
-            out = self.rules.fix_outputs(func, args, kwargs, func(*args, **kwargs))
+            out = self.rules.fix_outputs(func, args, kwargs, _as_eager_views(func, args, func(*args, **kwargs)))
         flat_out = tree_flatten(out)[0]
         if not data_dependent:
             self.known.run(func, args, kwargs, flat_out, written)

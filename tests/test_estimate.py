@@ -438,3 +438,28 @@ def test_a_tensor_the_model_caches_while_traced_is_not_left_for_a_real_step():
     measured = measure(workload, config, device="cpu")
     assert predicted.peak_bytes == measured.measured_peak_bytes
     assert predicted.phase_peaks == dict(measured.phase_peaks)
+
+
+def test_a_view_strides_size_one_dimensions_as_eager_does():
+    """SegFormer: tokens (1, 64, 16) transposed and viewed as an image (1, 16, 8, 8). Eager's view
+    strides the batch dimension 16, fake mode's 1024: only the latter reads as channels-last, so the
+    convolution after it (in bf16) wrote a channels-last output in the trace and a contiguous one in
+    eager, and the copies downstream parted."""
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(16, 16)
+            self.conv = nn.Conv2d(16, 16, 2, stride=2)
+            self.head = nn.Linear(16, 5)
+
+        def forward(self, x):
+            tokens = self.embed(x)  # (1, 64, 16)
+            image = tokens.transpose(1, 2).view(1, 16, 8, 8)
+            y = self.conv(image)  # (1, 16, 4, 4)
+            up = nn.functional.interpolate(y, size=(32, 32), mode="bilinear")
+            return nn.functional.log_softmax(self.head(up.permute(0, 2, 3, 1)).permute(0, 3, 1, 2), dim=1).float().mean()
+
+    workload = Workload("tokens", lambda batch_size=1: (Tokens(), (torch.randn(1, 64, 16),)), None, {})
+    for precision in ("bf16", "fp32"):
+        _estimated_as_measured(workload, StepConfig(precision, "sgd", steps=2), within=16)
