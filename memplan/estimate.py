@@ -213,6 +213,8 @@ def _in_place_summand(trace: Trace, events: Sequence[Event], position: int) -> i
     size = trace.storages[event.storage].nbytes
     for later in range(position + 1, len(events)):
         candidate = events[later]
+        if candidate.kind == "scratch" and candidate.op == event.op:
+            continue  # the sum's own scratch (SDPA's add converting its mask): while it runs
         if candidate.kind != "free" or not _no_op_between(trace, event.op, candidate.op):
             return None  # only frees that happen before the next op runs
         if candidate.storage in op.reads and trace.storages[candidate.storage].nbytes == size:

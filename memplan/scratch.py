@@ -378,7 +378,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 @functools.cache
 def _promote_types(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """torch.promote_types, remembered: the rules run on every op of a trace, where a torch function
-    call passes through the tracer's function mode (_LinearScopes) first."""
+    call passes through the tracer's function mode (_InPlaceScopes) first."""
     return torch.promote_types(a, b)
 
 

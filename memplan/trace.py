@@ -287,8 +287,10 @@ class _Recorder(TorchDispatchMode):
         self.phase, self.step, self.module_stack = "setup", -1, [""]
         self.found_inf: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
         self.approximate: list[str] = []
-        # open F.linear calls: (bias storage, index of the first op inside the call)
+        # open F.linear calls with a bias and F.scaled_dot_product_attention calls with a mask: (bias or
+        # mask storage, index of the first op inside the call); see _InPlaceScopes
         self.linear_calls: list[tuple[torch.UntypedStorage, int]] = []
+        self.attention_calls: list[tuple[torch.UntypedStorage, int]] = []
         self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
         # Values of the small tensors computed from constants and other known values alone (nonzero's
         # assumed selection, its rows, an index compared with a constant, a float mask made from a
@@ -380,7 +382,8 @@ class _Recorder(TorchDispatchMode):
                 writes=writes,
                 allocates=tuple(allocates),
                 scratch_bytes=scratch,
-                accumulates_in_place=self._is_grad_accumulation(func, args) or self._is_linear_bias_add(func, args),
+                accumulates_in_place=self._is_grad_accumulation(func, args) or self._is_linear_bias_add(func, args)
+                or self._is_attention_mask_add(func, args),
                 variant=_COST_VARIANTS[func._overloadpacket](kwargs) if func._overloadpacket in _COST_VARIANTS else "",
             )
         )
@@ -419,6 +422,20 @@ class _Recorder(TorchDispatchMode):
         sid = self.ids.get(output.untyped_storage()) if isinstance(output, torch.Tensor) else None
         made_by = self.storages[sid]["op"] if sid is not None else None
         return made_by is not None and made_by >= first
+
+    def _is_attention_mask_add(self, func: Any, args: tuple) -> bool:
+        """aten/src/ATen/native/transformers/attention.cpp _scaled_dot_product_attention_math (the CPU's
+        path where the flash kernel declines, e.g. for a mask that needs a gradient, as BEiT's learnt
+        relative position bias does): `attn.add_(attn_mask)` into the scores it just made, unless
+        `areAnyTensorSubclassLike`, when it takes `attn = attn.add(attn_mask)`. The add of a call's
+        scores and anything (the mask, or the mask converted) is eager's in-place add."""
+        if func is not torch.ops.aten.add.Tensor or not self.attention_calls or len(args) < 2:
+            return False
+        _, first = self.attention_calls[-1]
+        scores = args[0]
+        sid = self.ids.get(scores.untyped_storage()) if isinstance(scores, torch.Tensor) else None
+        made_by = self.storages[sid]["op"] if sid is not None else None
+        return made_by is not None and made_by >= first and isinstance(args[1], torch.Tensor)
 
     def _scalar(self, tensor: torch.Tensor) -> Any:
         # A known value reads as itself. Any other data-dependent scalar: GradScaler's overflow flag
@@ -541,8 +558,12 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
             handle.remove()
 
 
-class _LinearScopes(torch.overrides.TorchFunctionMode):
-    """Marks the F.linear calls that have a bias, for the recorder (`_Recorder._is_linear_bias_add`)."""
+class _InPlaceScopes(torch.overrides.TorchFunctionMode):
+    """Marks the calls of composites that add in place in eager but out of place under tracing
+    (aten's `areAnyTensorSubclassLike` holds for fake tensors, and whenever a Python dispatch mode is
+    on): F.linear with a bias (`_Recorder._is_linear_bias_add`) and F.scaled_dot_product_attention's
+    math path with a mask (`_Recorder._is_attention_mask_add`). A call made while a dispatch mode other
+    than the tracer's own is on (a selective checkpoint's policy) adds out of place in eager too."""
 
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
@@ -550,16 +571,28 @@ class _LinearScopes(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is not torch._C._nn.linear:
+        if func is torch._C._nn.linear:
+            added = args[2] if len(args) > 2 else kwargs.get("bias")
+            scopes = self.recorder.linear_calls
+        elif func is torch._C._nn.scaled_dot_product_attention:
+            added = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            scopes = self.recorder.attention_calls
+        else:
             return func(*args, **kwargs)
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        if not isinstance(bias, torch.Tensor):
+        if not isinstance(added, torch.Tensor) or _foreign_dispatch_modes():
             return func(*args, **kwargs)
-        self.recorder.linear_calls.append((bias.untyped_storage(), len(self.recorder.ops)))
+        scopes.append((added.untyped_storage(), len(self.recorder.ops)))
         try:
             return func(*args, **kwargs)
         finally:
-            self.recorder.linear_calls.pop()
+            scopes.pop()
+
+
+def _foreign_dispatch_modes() -> bool:
+    """Whether a dispatch mode other than the tracer's and fake mode is on (it would be in eager too)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(not isinstance(mode, (_Recorder, FakeTensorMode)) for mode in _get_current_dispatch_mode_stack())
 
 
 # A whole-tensor predicate over values no one can know while building (random init), read back by the
@@ -953,7 +986,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:
-            with rules.function_mode(), _fake_tensors_unseen(), _LinearScopes(recorder), recorder, \
+            with rules.function_mode(), _fake_tensors_unseen(), _InPlaceScopes(recorder), recorder, \
                     _module_scopes(recorder, prepared.model, calls), \
                     torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)

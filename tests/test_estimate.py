@@ -463,3 +463,27 @@ def test_a_view_strides_size_one_dimensions_as_eager_does():
     workload = Workload("tokens", lambda batch_size=1: (Tokens(), (torch.randn(1, 64, 16),)), None, {})
     for precision in ("bf16", "fp32"):
         _estimated_as_measured(workload, StepConfig(precision, "sgd", steps=2), within=16)
+
+
+def test_attention_adds_a_learnt_mask_in_place_as_eager_does():
+    """BEiT: a relative position bias that is learnt (it needs a gradient) sends CPU attention down
+    the math path, which adds the mask into the scores in place, `attn.add_(mask)`; under tracing the
+    same code adds out of place (fake tensors count as subclasses), a scores-sized tensor more."""
+
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.bias = nn.Parameter(torch.zeros(1, 4, 65, 65))
+            self.out = nn.Linear(16, 5)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(3, 65, 3, 4, 4).permute(2, 0, 3, 1, 4)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.to(q.dtype))
+            return self.out(y.transpose(1, 2).reshape(3, 65, 16)).float().mean()
+
+    workload = Workload("biased", lambda batch_size=3: (Biased(), (torch.randn(3, 65, 16),)), None, {})
+    for precision in ("bf16", "fp32"):
+        predicted, measured = _estimated_as_measured(workload, StepConfig(precision, "sgd", steps=2), within=16)
+        for phase in ("forward", "backward"):
+            assert abs(predicted.phase_peaks[phase] - measured.phase_peaks[phase]) <= 16, (precision, phase)
