@@ -119,7 +119,7 @@ class Op:
     scratch_bytes: int  # kernel-internal scratch, allocated and freed inside the op (device rule)
     # an out-of-place add that eager PyTorch does in place into its first operand, which the tracer
     # sees out of place because fake tensors are tensor subclasses: autograd's gradient accumulation
-    # (_is_grad_accumulation) and a linear layer's bias add (_is_linear_bias_add)
+    # (_is_grad_accumulation) and the adds of _IN_PLACE_ADDS (_is_in_place_add)
     accumulates_in_place: bool = False
     variant: str = ""  # a non-tensor argument that changes its cost (see _COST_VARIANTS); "" by default
 
@@ -287,10 +287,9 @@ class _Recorder(TorchDispatchMode):
         self.phase, self.step, self.module_stack = "setup", -1, [""]
         self.found_inf: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
         self.approximate: list[str] = []
-        # open F.linear calls with a bias and F.scaled_dot_product_attention calls with a mask: (bias or
-        # mask storage, index of the first op inside the call); see _InPlaceScopes
-        self.linear_calls: list[tuple[torch.UntypedStorage, int]] = []
-        self.attention_calls: list[tuple[torch.UntypedStorage, int]] = []
+        # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
+        # the first op inside the call), innermost last; see _InPlaceScopes
+        self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
         self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
         # Values of the small tensors computed from constants and other known values alone (nonzero's
         # assumed selection, its rows, an index compared with a constant, a float mask made from a
@@ -382,8 +381,7 @@ class _Recorder(TorchDispatchMode):
                 writes=writes,
                 allocates=tuple(allocates),
                 scratch_bytes=scratch,
-                accumulates_in_place=self._is_grad_accumulation(func, args) or self._is_linear_bias_add(func, args)
-                or self._is_attention_mask_add(func, args),
+                accumulates_in_place=self._is_grad_accumulation(func, args) or self._is_in_place_add(func, args),
                 variant=_COST_VARIANTS[func._overloadpacket](kwargs) if func._overloadpacket in _COST_VARIANTS else "",
             )
         )
@@ -407,35 +405,18 @@ class _Recorder(TorchDispatchMode):
         old = args[0] if args else None
         return not (isinstance(old, torch.Tensor) and (old._is_view() or not is_non_overlapping_and_dense_or_false(old)))
 
-    def _is_linear_bias_add(self, func: Any, args: tuple) -> bool:
-        """aten/src/ATen/native/Linear.cpp linear: without a fused path (an input of 3 or more dims
-        that is not contiguous, e.g. a Linear over a transposed sequence) it computes
-        `output = at::matmul(input, weight.t())` and adds the bias in place, `output.add_(bias)`,
-        unless the bias is a tensor subclass (a fake tensor is one), when it takes the out-of-place
-        `at::add(output, bias)`. The add of the bias to a result of this call is eager's in-place add."""
-        if func is not torch.ops.aten.add.Tensor or not self.linear_calls or len(args) < 2:
+    def _is_in_place_add(self, func: Any, args: tuple) -> bool:
+        """An out-of-place add, inside a call of one of _IN_PLACE_ADDS' composites, into a result made
+        in that call: eager's in-place add."""
+        if func is not torch.ops.aten.add.Tensor or not self.in_place_calls or len(args) < 2:
             return False
-        bias_storage, first = self.linear_calls[-1]
-        output, bias = args[0], args[1]
-        if not (isinstance(bias, torch.Tensor) and bias.untyped_storage() is bias_storage):
+        rule, added, first = self.in_place_calls[-1]
+        result, operand = args[0], args[1]
+        if not isinstance(operand, torch.Tensor) or (rule.same_operand and operand.untyped_storage() is not added):
             return False
-        sid = self.ids.get(output.untyped_storage()) if isinstance(output, torch.Tensor) else None
+        sid = self.ids.get(result.untyped_storage()) if isinstance(result, torch.Tensor) else None
         made_by = self.storages[sid]["op"] if sid is not None else None
         return made_by is not None and made_by >= first
-
-    def _is_attention_mask_add(self, func: Any, args: tuple) -> bool:
-        """aten/src/ATen/native/transformers/attention.cpp _scaled_dot_product_attention_math (the CPU's
-        path where the flash kernel declines, e.g. for a mask that needs a gradient, as BEiT's learnt
-        relative position bias does): `attn.add_(attn_mask)` into the scores it just made, unless
-        `areAnyTensorSubclassLike`, when it takes `attn = attn.add(attn_mask)`. The add of a call's
-        scores and anything (the mask, or the mask converted) is eager's in-place add."""
-        if func is not torch.ops.aten.add.Tensor or not self.attention_calls or len(args) < 2:
-            return False
-        _, first = self.attention_calls[-1]
-        scores = args[0]
-        sid = self.ids.get(scores.untyped_storage()) if isinstance(scores, torch.Tensor) else None
-        made_by = self.storages[sid]["op"] if sid is not None else None
-        return made_by is not None and made_by >= first and isinstance(args[1], torch.Tensor)
 
     def _scalar(self, tensor: torch.Tensor) -> Any:
         # A known value reads as itself. Any other data-dependent scalar: GradScaler's overflow flag
@@ -558,12 +539,33 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
             handle.remove()
 
 
+@dataclass(frozen=True)
+class _InPlaceAdd:
+    """A composite that adds one of its arguments into a result it has just made: in place in eager,
+    out of place under tracing (aten's `areAnyTensorSubclassLike` holds for fake tensors, and whenever
+    a Python dispatch mode is on)."""
+
+    position: int  # the added argument, by position
+    keyword: str  # or by name
+    same_operand: bool  # the add's operand is that argument itself; else anything (it may be converted first)
+
+
+_IN_PLACE_ADDS = {
+    # aten/src/ATen/native/Linear.cpp linear: without a fused path (an input of 3 or more dims that is
+    # not contiguous, e.g. a Linear over a transposed sequence) `output = at::matmul(input, weight.t())`
+    # then `output.add_(bias)`, or `at::add(output, bias)` for subclasses
+    torch._C._nn.linear: _InPlaceAdd(2, "bias", same_operand=True),
+    # aten/src/ATen/native/transformers/attention.cpp _scaled_dot_product_attention_math (the CPU's path
+    # where the flash kernel declines, e.g. for a mask that needs a gradient, as BEiT's learnt relative
+    # position bias does): `attn.add_(attn_mask)` into its scores, or `attn = attn.add(attn_mask)`
+    torch._C._nn.scaled_dot_product_attention: _InPlaceAdd(3, "attn_mask", same_operand=False),
+}
+
+
 class _InPlaceScopes(torch.overrides.TorchFunctionMode):
-    """Marks the calls of composites that add in place in eager but out of place under tracing
-    (aten's `areAnyTensorSubclassLike` holds for fake tensors, and whenever a Python dispatch mode is
-    on): F.linear with a bias (`_Recorder._is_linear_bias_add`) and F.scaled_dot_product_attention's
-    math path with a mask (`_Recorder._is_attention_mask_add`). A call made while a dispatch mode other
-    than the tracer's own is on (a selective checkpoint's policy) adds out of place in eager too."""
+    """Marks the calls of _IN_PLACE_ADDS' composites for the recorder (`_Recorder._is_in_place_add`).
+    A call made while a dispatch mode other than the tracer's own is on (a selective checkpoint's
+    policy) adds out of place in eager too, and is not marked."""
 
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()
@@ -571,21 +573,17 @@ class _InPlaceScopes(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch._C._nn.linear:
-            added = args[2] if len(args) > 2 else kwargs.get("bias")
-            scopes = self.recorder.linear_calls
-        elif func is torch._C._nn.scaled_dot_product_attention:
-            added = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            scopes = self.recorder.attention_calls
-        else:
+        rule = _IN_PLACE_ADDS.get(func)
+        if rule is None:
             return func(*args, **kwargs)
+        added = args[rule.position] if len(args) > rule.position else kwargs.get(rule.keyword)
         if not isinstance(added, torch.Tensor) or _foreign_dispatch_modes():
             return func(*args, **kwargs)
-        scopes.append((added.untyped_storage(), len(self.recorder.ops)))
+        self.recorder.in_place_calls.append((rule, added.untyped_storage(), len(self.recorder.ops)))
         try:
             return func(*args, **kwargs)
         finally:
-            scopes.pop()
+            self.recorder.in_place_calls.pop()
 
 
 def _foreign_dispatch_modes() -> bool:
@@ -606,14 +604,19 @@ _TYPICAL_PREDICATES = {torch.ops.aten.any.default: False, torch.ops.aten.all.def
 # draw takes its more likely branch, as most real steps do: transformers' layerdrop, `if
 # torch.rand([]) < layerdrop: continue`, runs the layer (a draw read as 1 skipped every layer). Many
 # draws are left unknown: how many of them pass a test is a count, which no one draw stands for.
+def _uniform_median(_self: Any, low: float = 0.0, high: float = 1.0, *_: Any, **__: Any) -> float:
+    return (low + high) / 2
+
+
+def _normal_median(_self: Any, mean: float = 0.0, *_: Any, **__: Any) -> float:
+    return mean
+
+
 _DRAW_MEDIANS: dict[Any, Callable[..., float]] = {
-    torch.ops.aten.rand: lambda *_, **__: 0.5,
-    torch.ops.aten.rand_like: lambda *_, **__: 0.5,
-    torch.ops.aten.uniform: lambda _self, low=0.0, high=1.0, *_, **__: (low + high) / 2,
-    torch.ops.aten.uniform_: lambda _self, low=0.0, high=1.0, *_, **__: (low + high) / 2,
-    torch.ops.aten.randn: lambda *_, **__: 0.0,
-    torch.ops.aten.randn_like: lambda *_, **__: 0.0,
-    torch.ops.aten.normal_: lambda _self, mean=0.0, *_, **__: mean,
+    **dict.fromkeys((torch.ops.aten.rand, torch.ops.aten.rand_like), lambda *_, **__: 0.5),
+    **dict.fromkeys((torch.ops.aten.uniform, torch.ops.aten.uniform_), _uniform_median),
+    **dict.fromkeys((torch.ops.aten.randn, torch.ops.aten.randn_like), lambda *_, **__: 0.0),
+    torch.ops.aten.normal_: _normal_median,
 }
 
 

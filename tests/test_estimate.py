@@ -487,3 +487,43 @@ def test_attention_adds_a_learnt_mask_in_place_as_eager_does():
         predicted, measured = _estimated_as_measured(workload, StepConfig(precision, "sgd", steps=2), within=16)
         for phase in ("forward", "backward"):
             assert abs(predicted.phase_peaks[phase] - measured.phase_peaks[phase]) <= 16, (precision, phase)
+
+
+def test_a_linear_adds_its_bias_in_place_where_eager_does_and_not_in_a_selective_segment():
+    """A Linear over a transposed sequence adds its bias in place (`output.add_(bias)`), except while a
+    dispatch mode is on, as a selective checkpoint's policy is: then eager, like the trace, adds out of
+    place. The forward's in-place adds the trace marks are counted against the profiler's `aten::add_`
+    in an eager forward of the same model, plain and with the segment."""
+    from memplan.emit import apply_plan
+    from memplan.estimate import estimate_and_trace
+    from memplan.plan import Plan, Segment
+
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+        def forward(self, x):
+            return self.block(x.transpose(0, 1)).pow(2).mean()  # (T, B, C) -> (B, T, C), not contiguous
+
+    def build(batch_size=8):
+        return Transposed(), (torch.randn(32, batch_size, 64),)
+
+    workload = Workload("transposed", build, None, {})
+    config = StepConfig("fp32", "sgd", steps=1)
+    selective = Plan(model="transposed", batch_size=8, precision="fp32", optimizer="sgd", grad_accum=1, device="cpu",
+                     method="test", segments=(Segment(("block",), "selective", ("aten.relu.default",)),), feasible=True,
+                     budget_bytes=None, predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=1)
+    counts = []
+    for plan in (None, selective):
+        model, (x,) = build()
+        model = apply_plan(model, plan) if plan else model
+        with torch.profiler.profile() as profile:
+            model(x)
+        eager = sum(event.name == "aten::add_" for event in profile.events())
+        _, trace = estimate_and_trace(workload, config, "cpu", transform=(lambda m, p=plan: apply_plan(m, p)) if plan else None)
+        traced = sum(op.accumulates_in_place for op in trace.ops if op.phase == "forward")
+        counts.append((eager, traced))
+    (plain_eager, plain_traced), (segment_eager, segment_traced) = counts
+    assert plain_eager >= 1, counts  # the case is there: eager adds a bias in place
+    assert plain_traced == plain_eager and segment_traced == segment_eager, counts
