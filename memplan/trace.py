@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from memplan.step import PreparedStep, StepConfig, prepare_step, run_steps
 from memplan.workload import Workload
@@ -90,6 +91,23 @@ def _grouped_mm_outputs(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Te
     return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype), True
 
 
+def _pack_padded_sequence_outputs(input: torch.Tensor, lengths: torch.Tensor, batch_first: bool, *,
+                                  known: Callable[[Any], Any]) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+    """aten._pack_padded_sequence: (data (Σ lengths, *features), batch_sizes (longest,) int64 on the CPU).
+    The packed RNNs and their backward read batch_sizes through its data pointer (RNN.cpp,
+    PackedSequence.cpp), which a fake tensor has not, so batch_sizes is a real tensor: exact from
+    known lengths, else every sequence at full length (an upper bound)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    values = known(lengths)
+    batch, steps = (input.shape[0], input.shape[1]) if batch_first else (input.shape[1], input.shape[0])
+    with _disable_current_modes():
+        lengths_of = values.tolist() if values is not None else [steps] * batch
+        batch_sizes = torch.tensor([sum(1 for n in lengths_of if n > t) for t in range(max(lengths_of, default=0))],
+                                   dtype=torch.int64)
+    return (input.new_empty((sum(lengths_of), *input.shape[2:])), batch_sizes), values is not None
+
+
 # Ops whose fake kernel refuses to run (DynamicOutputShapeException, or checks of another device's
 # kernel) but whose output shapes the arguments give exactly or bound: (args, kwargs, known=the real
 # value of a tensor argument, None where unknown) -> ((outputs), exact). Not exact: the estimate says
@@ -98,6 +116,7 @@ _SHAPE_FROM_ARGUMENTS: dict[Any, Callable[..., tuple[Any, bool]]] = {
     torch.ops.aten._ctc_loss.default: _ctc_loss_outputs,
     torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs,
     torch.ops.aten._grouped_mm.default: _grouped_mm_outputs,
+    torch.ops.aten._pack_padded_sequence.default: _pack_padded_sequence_outputs,
 }
 # Writes to its `found_inf` argument: reading it back (GradScaler) must say "no overflow".
 _FOUND_INF_WRITERS = {torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default}
@@ -286,6 +305,7 @@ class _Recorder(TorchDispatchMode):
         self.events: list[Event] = []
         self.phase, self.step, self.module_stack = "setup", -1, [""]
         self.found_inf: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+        self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
         # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
         # the first op inside the call), innermost last; see _InPlaceScopes
@@ -335,6 +355,7 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(args[0])
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self._alias_conversions(inputs)
         written = _written_arguments(func, args, kwargs)
         data_dependent = func in _DATA_DEPENDENT
         if data_dependent:
@@ -386,6 +407,17 @@ class _Recorder(TorchDispatchMode):
             )
         )
         return out
+
+    def _alias_conversions(self, inputs: list[torch.Tensor]) -> None:
+        """A real tensor that the step made (the batch_sizes of _pack_padded_sequence_outputs) reaching a
+        fake op is converted by the fake mode into a fake copy: that copy's storage is the real one's.
+        The copy is kept while the real tensor lives, so that the fake mode's memo hands out the same one."""
+        for t in inputs:
+            if not isinstance(t, FakeTensor) and t not in self.conversions and t.untyped_storage() in self.ids:
+                from torch._guards import detect_fake_mode
+
+                converted = self.conversions[t] = detect_fake_mode().from_tensor(t)
+                self.ids[converted.untyped_storage()] = self.ids[t.untyped_storage()]
 
     def _is_grad_accumulation(self, func: Any, args: tuple = ()) -> bool:
         """The autograd engine sums two gradients of one tensor with `old.add_(new)` when it holds the
@@ -586,6 +618,43 @@ class _InPlaceScopes(torch.overrides.TorchFunctionMode):
             self.recorder.in_place_calls.pop()
 
 
+def _pad_packed_sequence(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool,
+                         padding_value: float, total_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten/src/ATen/native/PackedSequence.cpp _pad_packed_sequence, op for op: it fills `lengths`
+    through a data pointer, which a fake tensor has not. `batch_sizes` is real (_pack_padded_sequence_outputs)."""
+    sizes = batch_sizes.tolist()
+    longest = max(len(sizes), total_length)
+    output = torch.full((longest, sizes[0], *data.shape[1:]), padding_value, dtype=data.dtype, device=data.device)
+    lengths = torch.empty(sizes[0], dtype=torch.int64)
+    offset, previous_batch, previous_step, values = 0, sizes[0], 0, []
+    for step, batch in enumerate([*sizes, 0]):
+        if batch != previous_batch:
+            count = previous_batch * (step - previous_step)
+            chunk = data[offset : offset + count].view(step - previous_step, previous_batch, *data.shape[1:])
+            output[previous_step:step, :previous_batch].copy_(chunk)
+            offset, previous_step = offset + count, step
+        values += [step] * (previous_batch - batch)
+        previous_batch = batch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        known = torch.tensor(values[::-1], dtype=torch.int64)
+    return (output.transpose(0, 1) if batch_first else output), lengths.copy_(known)
+
+
+# Composites that eager runs in C++ reading a tensor through its data pointer, which fake tensors have
+# not: rewritten with the same ops (so autograd, the allocations and their order are eager's)
+_REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence}
+
+
+class _Rewrites(torch.overrides.TorchFunctionMode):
+    """Runs _REWRITTEN_FUNCTIONS' rewrites in place of the functions."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        rewrite = _REWRITTEN_FUNCTIONS.get(func)
+        return (rewrite or func)(*args, **(kwargs or {}))
+
+
 def _foreign_dispatch_modes() -> bool:
     """Whether a dispatch mode other than the tracer's and fake mode is on (it would be in eager too)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -629,8 +698,6 @@ class _RealValues:
     and bool tensors are drawn for real too (token ids, labels: typical values, as a real run has)."""
 
     def __init__(self, keeps: Callable[[torch.Tensor], bool], draws: bool = False) -> None:
-        from torch.utils.weak import WeakTensorKeyDictionary
-
         self.keeps = keeps
         self.draws = draws  # random integer and bool tensors too (see `compute`)
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -734,8 +801,6 @@ class _ConstantShadows(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        from torch.utils.weak import WeakTensorKeyDictionary
-
         self.values = _RealValues(lambda t: t.numel() <= self.LIMIT, draws=True)
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
 
@@ -989,7 +1054,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:
-            with rules.function_mode(), _fake_tensors_unseen(), _InPlaceScopes(recorder), recorder, \
+            with rules.function_mode(), _fake_tensors_unseen(), _InPlaceScopes(recorder), _Rewrites(), recorder, \
                     _module_scopes(recorder, prepared.model, calls), \
                     torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)

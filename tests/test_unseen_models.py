@@ -226,6 +226,64 @@ def test_checks_on_drawn_integer_inputs_read_their_values():
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
+def packed_recurrent(batch_size: int = 3, kind: str = "lstm", batch_first: bool = True, known_lengths: bool = True):
+    """Padded sequences packed for a recurrent layer (pack_padded_sequence, pad_packed_sequence): the
+    packing's output shape and the packed RNN's and the padding's C++ loops follow the lengths' values."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 16, padding_idx=0)
+            rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[kind]
+            self.rnn = rnn(16, 24, num_layers=2, batch_first=batch_first, bidirectional=True)
+            self.head = nn.Linear(48, 50)
+
+        def forward(self, ids):
+            # token ids are drawn for real while building, so these lengths are known; a float
+            # test on the embeddings (always true) is not
+            lengths = (ids != 0).sum(1) if known_lengths else (self.emb(ids)[..., 0] > -1e9).sum(1)
+            x = self.emb(ids) if batch_first else self.emb(ids).transpose(0, 1)
+            out, _ = self.rnn(pack_padded_sequence(x, lengths.cpu(), batch_first=batch_first, enforce_sorted=False))
+            out, _ = pad_packed_sequence(out, batch_first=batch_first, total_length=ids.shape[1])
+            return out.square().mean()
+
+    ids = torch.randint(1, 50, (batch_size, 15))
+    for row in range(batch_size):
+        ids[row, 15 - 3 * row :] = 0
+    return Net(), (ids,)
+
+
+@pytest.mark.parametrize("kind,batch_first,precision", [("lstm", True, "fp32"), ("gru", False, "amp-bf16"),
+                                                         ("lstm", False, "bf16")])
+def test_packed_sequences_follow_their_lengths(kind, batch_first, precision):
+    """Exact: the lengths are known, so batch_sizes is (a real tensor, as the C++ loops read it by pointer)."""
+
+    def build(batch_size: int = 3):
+        return packed_recurrent(batch_size, kind, batch_first)
+
+    build.__name__ = f"packed_{kind}"
+    predicted, _ = _check(build, precision=precision, grad_accum=2)
+    assert not predicted.approximate
+
+
+def test_packed_sequences_of_unknown_lengths_are_bounded_and_marked():
+    """Lengths no one knows while tracing: every sequence at full length, an upper bound, said approximate.
+    All the lengths here are full, so the bound is the measurement."""
+
+    def build(batch_size: int = 3):
+        model, (ids,) = packed_recurrent(batch_size)
+        return model, (torch.randint(1, 50, ids.shape),)
+
+    def unknown(batch_size: int = 3):
+        model, (ids,) = packed_recurrent(batch_size, known_lengths=False)
+        return model, (torch.randint(1, 50, ids.shape),)
+
+    exact, _ = _check(build)
+    predicted, _ = _check(unknown, tolerance=1e-3)
+    assert predicted.approximate_ops == ("aten._pack_padded_sequence.default",) and not exact.approximate
+
+
 @pytest.mark.parametrize("loss", ["mse", "smooth_l1", "soft_margin", "bce"])
 def test_losses_reduced_into_an_input_sized_storage(loss):
     def reduced_loss(batch_size: int = 8):
