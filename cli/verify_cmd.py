@@ -111,7 +111,7 @@ def verify_command(
     # the prediction first: a trace leaves the model's caches as it found them (memplan.trace), while a
     # real step leaves its tensors there, which a trace takes for constants made before the step
     # (measured first, BEiT's cached position index went missing from its prediction: 33,800 B)
-    prediction = None
+    prediction, prediction_error = None, None
     if not no_predict:
         try:
             with progress(f"tracing {model} for the prediction ...", quiet):
@@ -119,6 +119,7 @@ def verify_command(
         except PredictionUnavailable as error:
             if tolerance is not None:
                 raise BadInput(f"--tolerance needs a prediction: {error}") from None
+            prediction_error = str(error)
             note(f"no prediction: {error}")
     with progress(f"running {config.steps} real steps of {model} on {device} ...", quiet):
         measurement = _measure_to(snapshot, lambda path: measure(workload, config, device, loaded, snapshot=path))
@@ -126,7 +127,7 @@ def verify_command(
     comparison = compare(measurement, prediction)
 
     if as_json:
-        print_json(_payload(workload, config, measurement, prediction, comparison))
+        print_json(_payload(workload, config, measurement, prediction, comparison, prediction_error))
     else:
         typer.echo(_table(workload, config, measurement, prediction, comparison))
 
@@ -175,6 +176,7 @@ def _payload(
     measurement: Measurement,
     prediction: Prediction | None,
     comparison: Comparison,
+    prediction_error: str | None,
 ) -> dict[str, Any]:
     return {
         "command": "verify",
@@ -188,6 +190,7 @@ def _payload(
         "predicted_peak_bytes": comparison.predicted_peak_bytes,
         "predicted_phase_peaks": dict(prediction.phase_peaks) if prediction is not None else None,
         "prediction_source": prediction.source if prediction is not None else None,
+        "prediction_error": prediction_error,
         "error_pct": _round(comparison.error_pct),
         "phase_error_pct": {row.phase: _round(row.error_pct) for row in comparison.rows if row.phase != "peak"},
     }

@@ -919,6 +919,57 @@ def _fake_tensors_unseen() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _fake_scalars_format_as_values() -> Iterator[None]:
+    """`f"{t}"` of a 0-dim tensor formats its value in eager (`Tensor.__format__`: `self.item()`),
+    but only where `type(self) is Tensor`; a fake tensor (a subclass) formats as its repr.
+    transformers' SwitchTransformers picks an expert by `self[f"expert_{expert_idx[0]}"]`: under
+    tracing the key read "expert_FakeTensor(..., size=(), dtype=torch.int64)" and the estimate failed
+    with a KeyError. While a step is traced, a 0-dim fake tensor standing for a plain tensor formats
+    as its value, read by the recorder's rules (`_Recorder._scalar`: a known value as itself)."""
+    original = torch.Tensor.__format__
+
+    def __format__(self: torch.Tensor, format_spec: str) -> str:
+        if type(self) is FakeTensor and self.dim() == 0:
+            return self.detach().item().__format__(format_spec)
+        return original(self, format_spec)
+
+    torch.Tensor.__format__ = __format__  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.__format__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _fake_tensors_to_numpy(recorder: _Recorder) -> Iterator[None]:
+    """`Tensor.numpy()` (and NumPy's `np.asarray(t)`, which calls it) refuses tensor subclasses, so a
+    step that hands a tensor to NumPy or SciPy failed under tracing where the real step runs:
+    transformers' DETR/YOLOS loss matches predictions to targets with
+    `scipy.optimize.linear_sum_assignment(cost.cpu())`. A fake tensor converts to its real values
+    where the recorder knows them, else to zeros of its shape and dtype: values unknown, as
+    `_Recorder._scalar` reads an unknown scalar; what NumPy returns then has the shape it would have
+    (an assignment's size is min(rows, columns) whatever the costs)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = torch.Tensor.numpy
+
+    def numpy(self: torch.Tensor, *, force: bool = False) -> Any:
+        if not isinstance(self, FakeTensor):
+            return original(self, force=force)
+        real = recorder.known.value(self)
+        with _disable_current_modes():
+            if real is None:
+                real = torch.zeros(self.shape, dtype=self.dtype)
+            return original(real.detach().cpu(), force=force)
+
+    torch.Tensor.numpy = numpy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.numpy = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def _model_caches_emptied_after() -> Iterator[None]:
     """What the model's code memoised while the step was traced (a functools cache: transformers'
     BEiT caches its relative position index, a tensor) holds fake tensors: a real step later in the
@@ -1028,7 +1079,11 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
         _register_baseline(recorder, prepared)
-        for value in _input_tensors(prepared):
+        # the inputs' known values, and those of the integer buffers the model made from constants
+        # (EnCodec's padded convolutions keep their stride and kernel size as int64 buffers and pad by
+        # `(length - kernel_size + padding_total) / stride`): a real step reads their values
+        buffers = [b for b in prepared.model.buffers() if not b.is_floating_point() and not b.is_complex()]
+        for value in [*_input_tensors(prepared), *buffers]:
             if value in shadows.values and recorder.known.keeps(value):
                 recorder.known.keep([value], [shadows.values.real[value]])
         del shadows
@@ -1054,7 +1109,8 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:
-            with rules.function_mode(), _fake_tensors_unseen(), _InPlaceScopes(recorder), _Rewrites(), recorder, \
+            with rules.function_mode(), _fake_tensors_unseen(), _fake_scalars_format_as_values(), \
+                    _fake_tensors_to_numpy(recorder), _InPlaceScopes(recorder), _Rewrites(), recorder, \
                     _module_scopes(recorder, prepared.model, calls), \
                     torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
@@ -1098,8 +1154,9 @@ def _register_baseline(recorder: _Recorder, prepared: PreparedStep) -> None:
 
 
 def _input_tensors(prepared: PreparedStep) -> list[torch.Tensor]:
-    values = prepared.inputs.values() if isinstance(prepared.inputs, dict) else prepared.inputs
-    return [value for value in values if isinstance(value, torch.Tensor)]
+    """Its tensors, nested ones too (DETR/YOLOS take their targets as a list of dicts of tensors)."""
+    values = list(prepared.inputs.values()) if isinstance(prepared.inputs, dict) else list(prepared.inputs)
+    return [value for value in tree_flatten(values)[0] if isinstance(value, torch.Tensor)]
 
 
 def _all_params(prepared: PreparedStep) -> Iterator[torch.Tensor]:

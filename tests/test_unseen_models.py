@@ -4,8 +4,10 @@ Each model here exercises one mechanism that an unseen model broke: building und
 (layers cloned by copy.deepcopy, values read back while building), an op the fake kernels refuse
 (CTC loss), ops whose real kernels allocate differently from their fake ones (losses reduced into
 an input-sized storage, col2im, GELU's oneDNN backward over mismatched layouts, pooling over
-transposed inputs, LayerNorm's contiguous gradient) and the autograd engine summing a view's
-gradient out of place (tied embeddings). The ground truth is always `memplan.verify.measure`.
+transposed inputs, LayerNorm's contiguous gradient, BatchNorm's row-major output and input gradient),
+the autograd engine summing a view's gradient out of place (tied embeddings), packed sequences, and
+steps that read values back (a 0-dim tensor formatted into a key, NumPy, integer buffers). The ground
+truth is always `memplan.verify.measure`.
 """
 
 from __future__ import annotations
@@ -564,3 +566,126 @@ def test_known_values_under_tracing():
         assert big not in recorder.known and int(big[-1]) == 1
         assert float(torch.arange(3).float()[2]) == 2.0  # small float tensors from constants are kept too
         assert float(unknown[0, 0]) == 1.0  # a value nobody knows reads as 1
+
+# --------------------------------------------------------------------------------------------------
+# A sweep of 46 more architectures (PatchTST, CvT, SwitchTransformers, EnCodec, DETR/YOLOS broke
+# these), each mechanism in a torch-only model
+
+
+def batch_norm_over_transposed_tokens(batch_size: int = 3):
+    """PatchTST: BatchNorm1d over a (batch, d, tokens) transpose of the tokens. Eager's CPU kernel
+    writes a row-major output, so the linear layers after the transpose back copy their input."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm1d(64)
+            self.q, self.k = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+            return (self.q(x) * self.k(x)).mean()
+
+    return Net(), (torch.randn(batch_size, 12, 64),)
+
+
+def depthwise_conv_norm_to_tokens(batch_size: int = 1):
+    """CvT's depthwise key projection: tokens viewed as an image, conv, BatchNorm, flattened back to
+    tokens behind a class token. The BatchNorm's incoming gradient (a slice of the concatenation's)
+    is channels-last, its input row-major; eager's input gradient is row-major, and the
+    convolution's backward (its oneDNN scratch, in bf16) follows that layout."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls = nn.Parameter(torch.zeros(1, 1, 32))
+            self.conv = nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=32, bias=False)
+            self.norm = nn.BatchNorm2d(32)
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, tokens):
+            x = tokens.transpose(1, 2).reshape(tokens.shape[0], 32, 4, 4)
+            t = self.norm(self.conv(x)).flatten(2).transpose(1, 2)
+            t = torch.cat([self.cls.expand(tokens.shape[0], -1, -1), t], 1)
+            return self.proj(t).square().mean()
+
+    return Net(), (torch.randn(batch_size, 16, 32),)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_batch_norm_layouts_as_the_cpu_kernels_give_them(precision):
+    _check(batch_norm_over_transposed_tokens, precision=precision)
+    _check(depthwise_conv_norm_to_tokens, precision=precision, optimizer="sgd")
+
+
+def expert_named_by_an_index(batch_size: int = 2):
+    """SwitchTransformers: `self[f"expert_{idx}"]` with idx a 0-dim tensor."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleDict({f"expert_{i}": nn.Linear(16, 16) for i in range(3)})
+
+        def forward(self, x):
+            out = x
+            for idx in torch.arange(3):
+                out = out + self.experts[f"expert_{idx}"](x)
+            return out.mean()
+
+    return Net(), (torch.randn(batch_size, 16),)
+
+
+def test_a_zero_dim_tensor_formats_as_its_value():
+    _check(expert_named_by_an_index)
+
+
+def padding_from_integer_buffers(batch_size: int = 2):
+    """EnCodec: stride and kernel size kept as int64 buffers made from constants; the padding is
+    computed from them and a shape, and read back."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(4, 8, 7, stride=2)
+            self.register_buffer("stride", torch.tensor(2), persistent=False)
+            self.register_buffer("kernel", torch.tensor(7), persistent=False)
+
+        def forward(self, x):
+            frames = torch.ceil((x.shape[-1] - self.kernel + 5) / self.stride).to(torch.int64)
+            extra = int(frames * self.stride + self.kernel - 5 - x.shape[-1])
+            return self.conv(F.pad(x, (5, extra))).mean()
+
+    return Net(), (torch.randn(batch_size, 4, 100),)
+
+
+def test_integer_buffers_made_from_constants_read_their_values():
+    _check(padding_from_integer_buffers)
+
+
+def matched_through_numpy(batch_size: int = 2):
+    """DETR/YOLOS: predictions matched to targets in NumPy/SciPy (`linear_sum_assignment(cost)`),
+    the targets a list of dicts of tensors."""
+    from scipy.optimize import linear_sum_assignment
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x, targets):
+            boxes = self.head(x)  # (batch, queries, 4)
+            loss = boxes.new_zeros(())
+            for b, t in enumerate(targets):
+                cost = torch.cdist(boxes[b], t["boxes"])
+                rows, cols = linear_sum_assignment(cost.detach().cpu())
+                # torch.tensor copies the indices (a CPU allocation in eager and traced alike);
+                # torch.as_tensor would wrap NumPy's memory, which eager's allocator never sees
+                loss = loss + F.l1_loss(boxes[b][torch.tensor(rows)], t["boxes"][torch.tensor(cols)])
+            return loss
+
+    targets = [{"boxes": torch.rand(3, 4), "labels": torch.randint(0, 4, (3,))} for _ in range(batch_size)]
+    return Net(), {"x": torch.randn(batch_size, 10, 16), "targets": targets}
+
+
+def test_a_step_through_numpy_and_nested_inputs():
+    _check(matched_through_numpy)

@@ -103,6 +103,14 @@ TOY_FILE = textwrap.dedent(
 
     def hungry(batch_size: int = 4):
         return Hungry(), (torch.randn(batch_size, 8),)
+
+    class Unique(nn.Linear):
+        def forward(self, x):
+            # the output's shape depends on the values, and the tracer has no rule for torch.unique
+            return super().forward(x) + torch.unique(x).sum()
+
+    def unique(batch_size: int = 4):
+        return Unique(8, 8), (torch.randn(batch_size, 8),)
     """
 )
 
@@ -411,6 +419,16 @@ def test_cli_json_with_prediction(toy: Path) -> None:
     assert data["error_pct"] == pytest.approx(
         error_pct(data["predicted_peak_bytes"], data["measured_peak_bytes"]), abs=0.01
     )
+
+
+def test_cli_json_says_why_there_is_no_prediction(toy: Path) -> None:
+    result = runner.invoke(app, ["verify", f"{toy}:unique", "--device", "cpu", "--steps", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["predicted_peak_bytes"] is None and data["measured_peak_bytes"] > 0
+    assert data["prediction_error"].startswith("the estimator failed") and "unique" in data["prediction_error"]
+    assert json.loads(runner.invoke(app, ["verify", f"{toy}:build", "--device", "cpu", "--steps", "1", "--json"])
+                      .stdout)["prediction_error"] is None
 
 
 def test_cli_table(toy: Path) -> None:
