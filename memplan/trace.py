@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import networkx as nx
 import torch
@@ -933,11 +934,8 @@ def _fake_scalars_format_as_values() -> Iterator[None]:
             return self.detach().item().__format__(format_spec)
         return original(self, format_spec)
 
-    torch.Tensor.__format__ = __format__  # type: ignore[method-assign]
-    try:
+    with mock.patch.object(torch.Tensor, "__format__", __format__):
         yield
-    finally:
-        torch.Tensor.__format__ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -962,11 +960,8 @@ def _fake_tensors_to_numpy(recorder: _Recorder) -> Iterator[None]:
                 real = torch.zeros(self.shape, dtype=self.dtype)
             return original(real.detach().cpu(), force=force)
 
-    torch.Tensor.numpy = numpy  # type: ignore[method-assign]
-    try:
+    with mock.patch.object(torch.Tensor, "numpy", numpy):
         yield
-    finally:
-        torch.Tensor.numpy = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
