@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._prims_common import suggest_memory_format
+from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
 
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
 from memplan.cuda_kernels import cuda_kernels
@@ -138,6 +138,32 @@ def _layer_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
 OUTPUT_FIXES[("cpu", aten.native_layer_norm.default)] = _layer_norm_stats_fp32
 
 
+def _group_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
+    """aten/src/ATen/native/group_norm.cpp native_group_norm: as layer_norm_cpu, a bf16/fp16 input with
+    an fp32 weight or bias (autocast keeps GroupNorm's parameters fp32) is `is_mixed_type`, and the
+    mean and rstd it saves for backward are fp32 (param_scalar_type); the fake kernel uses the input's
+    dtype."""
+    x = args[0]
+    params = [t for t in args[1:3] if isinstance(t, torch.Tensor)]
+    if x.dtype in (torch.float16, torch.bfloat16) and params and params[0].dtype == torch.float32:
+        return (out[0], *(t.new_empty_strided(t.shape, t.stride(), dtype=torch.float32) for t in out[1:3]))
+    return out
+
+
+def _group_norm_grad_input_dtype(args: tuple, kwargs: dict, out: Any) -> Any:
+    """group_norm.cpp native_group_norm_backward allocates the input gradient like the input (its
+    dtype); the fake kernel takes the saved mean's dtype, fp32 for a mixed-type forward
+    (_group_norm_stats_fp32)."""
+    x, grad_input = args[1], out[0]
+    if grad_input is None or grad_input.dtype == x.dtype:
+        return out
+    return (grad_input.new_empty_strided(grad_input.shape, grad_input.stride(), dtype=x.dtype), *out[1:])
+
+
+OUTPUT_FIXES[("cpu", aten.native_group_norm.default)] = _group_norm_stats_fp32
+OUTPUT_FIXES[("cpu", aten.native_group_norm_backward.default)] = _group_norm_grad_input_dtype
+
+
 def _layer_norm_grad_contiguous(args: tuple, kwargs: dict, out: Any) -> Any:
     """aten/src/ATen/native/layer_norm.cpp layer_norm_backward_cpu allocates the input gradient
     `empty_like(X.contiguous())`: row-major whatever the incoming gradient's layout; the fake kernel
@@ -163,6 +189,66 @@ OUTPUT_FIXES[("cpu", aten._log_softmax_backward_data.default)] = _grad_contiguou
 for _op, _index in ((aten.mse_loss.default, 2), (aten.smooth_l1_loss.default, 2), (aten.soft_margin_loss.default, 2),
                     (aten.binary_cross_entropy.default, 3)):
     OUTPUT_FIXES[("cpu", _op)] = _unreduced_loss_storage(_index)
+
+
+def _weight_norm_norms_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
+    """aten/src/ATen/native/WeightNorm.cpp weight_norm_cpu keeps the norms it returns (and autograd
+    saves) in the opmath type: float32 for a half or bfloat16 weight (`toOpMathType`); the fake kernel
+    gives half weights half norms (nn.utils.weight_norm under fp16: EnCodec's convolutions)."""
+    weight, norms = out
+    if norms.dtype not in (torch.float16, torch.bfloat16):
+        return out
+    return (weight, norms.new_empty_strided(norms.shape, norms.stride(), dtype=torch.float32))
+
+
+OUTPUT_FIXES[("cpu", aten._weight_norm_interface.default)] = _weight_norm_norms_fp32
+
+
+def _embedding_bag_outputs_cpu(requires_grad: bool) -> OutputFix:
+    """aten/src/ATen/native/EmbeddingBag.cpp _embedding_bag_cpu_impl: the real kernel sizes its three
+    index outputs by resizing, and resize_ never shrinks a storage; the fake kernel allocates each at
+    its final size (and takes bf16/fp16 weights off the fast path). With index type `index_t` (the
+    indices' and offsets' promoted type), n indices, k offsets and `bags` bags:
+
+    * offset2bag (make_offset2bag_out): none (0 elements) for mode sum on the fast path (float, half
+      or bfloat16 weight with unit column stride, unit-stride per-sample weights, no padding_idx);
+      otherwise zeroed at n + 1 elements, cumsum'd into a new n + 1 tensor and resized to n.
+    * bag_size (make_bag_size): `empty(offsets.sizes())` (k elements) resized to `bags` when gradients
+      are wanted (_embedding_bag) or the mode is mean or max; else it keeps the offsets' shape.
+    * max_indices (make_max_indices): `empty(bag_size.sizes())`, resized to (bags, dim) for mode max."""
+
+    def fix(args: tuple, kwargs: dict, out: Any) -> Any:
+        names = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
+                 "include_last_offset", "padding_idx")
+        bound = {"mode": 0, "per_sample_weights": None, "include_last_offset": False, "padding_idx": -1,
+                 **dict(zip(names, args)), **kwargs}
+        weight, indices, offsets, mode = bound["weight"], bound["indices"], bound["offsets"], bound["mode"]
+        scale = bound["per_sample_weights"]
+        if indices.dim() != 1 or offsets.dim() != 1 or weight.dim() != 2:
+            return out
+        index_dtype = torch.promote_types(indices.dtype, offsets.dtype)
+        n, k = indices.size(0), offsets.size(0)
+        bags = k - 1 if bound["include_last_offset"] else k
+        fast = (weight.dtype in (torch.float32, torch.float16, torch.bfloat16) and weight.stride(1) == 1
+                and bound["padding_idx"] < 0 and (scale is None or scale.stride(0) == 1))
+
+        def index_tensor(shape: tuple[int, ...], numel: int) -> torch.Tensor:
+            storage = out[0].new_empty((max(numel, math.prod(shape)),), dtype=index_dtype)
+            return storage.as_strided(shape, make_contiguous_strides_for(shape), 0)
+
+        offset2bag = index_tensor((0,), 0) if mode == 0 and fast else index_tensor((n,), n + 1)
+        bag_size = index_tensor((bags,) if requires_grad or mode != 0 else (k,), k)
+        if mode == 2:
+            max_indices = index_tensor((bags, weight.size(1)), bag_size.numel())
+        else:
+            max_indices = index_tensor(tuple(bag_size.shape), bag_size.numel())
+        return (out[0], offset2bag, bag_size, max_indices)
+
+    return fix
+
+
+OUTPUT_FIXES[("cpu", aten._embedding_bag.default)] = _embedding_bag_outputs_cpu(requires_grad=True)
+OUTPUT_FIXES[("cpu", aten._embedding_bag_forward_only.default)] = _embedding_bag_outputs_cpu(requires_grad=False)
 
 
 def output_fixes(device: str) -> Callable[[Any, tuple, dict, Any], Any]:

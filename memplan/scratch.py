@@ -710,6 +710,15 @@ def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
     return copies + buffer
 
 
+@scratch_rule("cpu", aten.native_group_norm_backward.default)
+def _group_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/cpu/group_norm_kernel.cpp GroupNormBackwardKernelImplInternal (and its
+    channels-last variant): the per-(sample, channel) sums `ds` and `db`, two {N, C} buffers of the
+    input's opmath type (float32 for bf16/fp16), whichever gradients the mask asks for."""
+    x, n, c = args[1], args[5], args[6]
+    return 2 * n * c * _itemsize(_opmath(x.dtype))
+
+
 @scratch_rule("cpu", aten.embedding_dense_backward.default)
 def _embedding_dense_backward(args: tuple, kwargs: dict, out: Any) -> int:
     """aten/src/ATen/native/Embedding.cpp embedding_dense_backward_cpu: `indices.contiguous()`,
@@ -723,6 +732,49 @@ def _embedding_dense_backward(args: tuple, kwargs: dict, out: Any) -> int:
     if scale_grad_by_freq:
         extra += num_weights * _itemsize(indices.dtype)
     return extra
+
+
+# EmbeddingBag (aten/src/ATen/native/EmbeddingBag.cpp). The forward builds offset2bag through
+# temporaries (`ones_like(offsets)`, a wrapped-number `offset2bag[0] -= 1`, a cumsum into a second
+# n + 1 tensor), mean mode divides through `max(bag_size, ones_like(bag_size)).to(dtype)`, and the
+# non-fast half/bfloat16 paths accumulate in float32 buffers; the backward sorts the indices
+# (values, indices and an arange), index_selects offset2bag (and the per-sample weights) by the
+# sort, rebuilds offset2bag when the forward skipped it (mode sum on the fast path), and for mode
+# max gathers the non-empty bags (nonzero + index_select). Which of these run depends on the mode,
+# dtype, strides, padding_idx and per-sample weights, so the kernel is run (shapes only decide the
+# sizes; the probe's zero-filled operands are valid indices and offsets).
+
+
+def _bags_non_empty(bag_size_index: int) -> Callable[[tuple, dict], tuple[tuple, dict]]:
+    """Mode max's backward keeps `bag_size.nonzero()` rows: with zero-filled bag sizes that would be
+    none. Every bag counts as non-empty (exact unless some bag is empty; then an upper bound)."""
+
+    def prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = list(args)
+        args[bag_size_index] = torch.ones_like(args[bag_size_index])
+        return tuple(args), kwargs
+
+    return prepare
+
+
+def _embedding_bag_probe(func: Any, bag_size_index: int | None = None, mode_index: int | None = None) -> ScratchFormula:
+    def formula(args: tuple, kwargs: dict, out: Any) -> int:
+        prepare = None
+        if bag_size_index is not None:
+            mode = args[mode_index] if len(args) > mode_index else kwargs.get("mode", 0)
+            prepare = _bags_non_empty(bag_size_index) if mode == 2 else None
+        return probe_scratch(func, args, kwargs, prepare=prepare)
+
+    return formula
+
+
+for _op in (aten._embedding_bag.default, aten._embedding_bag_forward_only.default,
+            aten._embedding_bag_per_sample_weights_backward.default):
+    scratch_rule("cpu", _op)(_embedding_bag_probe(_op))
+scratch_rule("cpu", aten._embedding_bag_backward.default)(
+    _embedding_bag_probe(aten._embedding_bag_backward.default, bag_size_index=4, mode_index=8))
+scratch_rule("cpu", aten._embedding_bag_dense_backward.default)(
+    _embedding_bag_probe(aten._embedding_bag_dense_backward.default, bag_size_index=3, mode_index=7))
 
 
 @scratch_rule("cpu", aten.gelu_backward.default)

@@ -689,3 +689,76 @@ def matched_through_numpy(batch_size: int = 2):
 
 def test_a_step_through_numpy_and_nested_inputs():
     _check(matched_through_numpy)
+
+
+def bags_of_every_kind(batch_size: int = 2):
+    """nn.EmbeddingBag in its modes: mean over offsets, sum with padding_idx and learned per-sample
+    weights, max with the last offset included. The real kernel resizes its index outputs (offset2bag
+    keeps n + 1 elements, bag_size the offsets' count) and builds them, and the backward's sort,
+    through temporaries the fake kernels never allocate."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mean = nn.EmbeddingBag(50, 8, mode="mean")
+            self.sum = nn.EmbeddingBag(50, 8, mode="sum", padding_idx=0)
+            self.max = nn.EmbeddingBag(50, 8, mode="max", include_last_offset=True)
+            self.scale = nn.Linear(1, 1)
+
+        def forward(self, ids, offsets, ids2, weights):
+            per_sample = self.scale(weights[..., None])[..., 0]
+            bags = torch.cat([self.mean(ids, offsets), self.sum(ids2, per_sample_weights=per_sample),
+                              self.max(ids, torch.cat([offsets, offsets.new_tensor([ids.numel()])]))], 1)
+            return bags.square().mean()
+
+    torch.manual_seed(0)
+    n = 12 * batch_size
+    return Net(), (torch.randint(0, 50, (n,)), torch.arange(0, n, 12), torch.randint(0, 50, (batch_size, 7)),
+                   torch.rand(batch_size, 7))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_embedding_bag_outputs_and_scratch_as_the_cpu_kernels_give_them(precision):
+    _check(bags_of_every_kind, precision=precision, optimizer="sgd")
+
+
+def weight_normed_convolutions(batch_size: int = 2):
+    """nn.utils.weight_norm convolutions (EnCodec, HiFi-GAN) in fp16: the CPU kernel keeps the norms in
+    float32."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.utils.weight_norm(nn.Conv1d(4, 16, 5, padding=2))
+            self.b = nn.utils.weight_norm(nn.Conv1d(16, 16, 3, padding=1), dim=None)
+
+        def forward(self, x):
+            return self.b(F.elu(self.a(x))).square().mean()
+
+    return Net(), (torch.randn(batch_size, 4, 64),)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_weight_norm_keeps_float_norms(precision):
+    _check(weight_normed_convolutions, precision=precision, optimizer="sgd")
+
+
+def group_normed_blocks(batch_size: int = 2):
+    """GroupNorm under autocast: a bf16 input with the fp32 weight is mixed-type, and the CPU kernel
+    saves fp32 statistics (and gives the input gradient the input's dtype)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 32, 1)
+            self.norm = nn.GroupNorm(4, 32)
+
+        def forward(self, x):
+            return self.norm(self.conv(x)).sum()
+
+    return Net(), (torch.randn(batch_size, 3, 16, 16),)
+
+
+@pytest.mark.parametrize("precision", ["amp-bf16", "amp-fp16"])
+def test_group_norm_statistics_in_float_for_mixed_types(precision):
+    _check(group_normed_blocks, precision=precision, optimizer="sgd")
