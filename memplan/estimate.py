@@ -57,6 +57,9 @@ class Simulation:
     reserved_bytes: int | None
     top_modules: tuple[tuple[str, int], ...]  # (module path, activation bytes live at the peak), largest first
     timeline: Timeline | None = None
+    # by the steps' order of running (a skipped update keeps the step's number): (nth step, phase) -> peak
+    step_phase_peaks: dict[tuple[int, str], int] = field(default_factory=dict)
+    step_end_bytes: tuple[int, ...] = ()  # live bytes when each step ends, in order
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
     phase_peaks: dict[str, int] = defaultdict(int)
     phase_peak_events: dict[str, int] = {}
     step_peaks: dict[int, int] = defaultdict(int)
+    step_phase_peaks: dict[tuple[int, str], int] = defaultdict(int)
+    step_end_bytes: list[int] = []
     timeline_live, timeline_phases = [], []
     by_role = _by_role(trace, size, set(baseline)) if with_timeline else None
 
@@ -125,6 +130,8 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
             if moment > phase_peaks[phase]:
                 phase_peaks[phase], phase_peak_events[phase] = moment, index
             step_peaks[step] = max(step_peaks[step], moment)
+            nth = len(step_end_bytes)
+            step_phase_peaks[nth, phase] = max(step_phase_peaks[nth, phase], moment)
         if moment > peak:
             peak, peak_event, peak_phase, peak_step = moment, index, phase, step
 
@@ -132,6 +139,8 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
     for index, event in enumerate(events):  # index: the position in eager order
         if event.kind == "phase":
             phase, step = event.phase, event.step
+            if phase == "end":
+                step_end_bytes.append(allocator.allocated)
         elif event.kind == "alloc":
             thread = opened_workspace(device, workspaces, phase, trace.ops[event.op].name)
             if thread is not None:
@@ -178,6 +187,8 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
         reserved_bytes=allocator.peak_reserved,
         top_modules=top,
         timeline=Timeline(tuple(timeline_live), tuple(timeline_phases)) if by_role is not None else None,
+        step_phase_peaks=dict(step_phase_peaks),
+        step_end_bytes=tuple(step_end_bytes),
     )
 
 
@@ -297,11 +308,35 @@ def estimate_and_trace(
     return estimate_of_trace(workload, config, device, trace, with_timeline=with_timeline, gpu=gpu), trace
 
 
+def _with_later_steps(sim: Simulation, steps: int) -> Simulation:
+    """The steps after the traced ones. Each repeats the last traced step's allocations, on top of
+    whatever that step left live beyond the one before it: garbage that only Python's cycle collector
+    frees (off while a step runs: memplan.trace._collector_off, as memplan.verify measures) is left by
+    every step, so the later steps' peaks rise by that growth once per step."""
+    ends = sim.step_end_bytes
+    if len(ends) < 2 or steps <= len(ends):
+        return sim
+    last = len(ends) - 1
+    growth = ends[-1] - ends[-2]
+    if growth <= 0:
+        return sim
+    extra = growth * (steps - len(ends))
+    last_step = {p: v + extra for (s, p), v in sim.step_phase_peaks.items() if s == last}
+    if not last_step:
+        return sim
+    phase_peaks = {p: max(v, last_step.get(p, 0)) for p, v in sim.phase_peaks.items()}
+    top = max(last_step, key=last_step.__getitem__)
+    later = last_step[top]
+    peak, peak_phase = (later, top) if later > sim.peak_bytes else (sim.peak_bytes, sim.peak_phase)
+    return replace(sim, peak_bytes=peak, peak_phase=peak_phase, phase_peaks=phase_peaks,
+                   later_steps_peak_bytes=max(sim.later_steps_peak_bytes or 0, later))
+
+
 def estimate_of_trace(workload: Workload, config: StepConfig, device: str, trace: Trace, *,
                       with_timeline: bool = False, gpu: str | None = None, extra_flops: int = 0) -> Estimate:
     """The estimate a traced step gives (or one rewritten from it, memplan.replay: `extra_flops` are the
     ops it adds to step 0)."""
-    sim = simulate(trace, device_model(device, gpu), with_timeline=with_timeline)
+    sim = _with_later_steps(simulate(trace, device_model(device, gpu), with_timeline=with_timeline), config.steps)
     return Estimate(
         model=workload.spec,
         precision=config.precision,

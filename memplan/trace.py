@@ -312,6 +312,8 @@ class _Recorder(TorchDispatchMode):
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
         self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
+        # autograd's sequence number when each op reached the tracer (below autograd: its node is made)
+        self.sequence_nrs: list[int] = []
         # Values of the small tensors computed from constants and other known values alone (nonzero's
         # assumed selection, its rows, an index compared with a constant, a float mask made from a
         # constant one): reading them back (`if expert_idx == num_experts: continue`, Longformer's
@@ -336,6 +338,18 @@ class _Recorder(TorchDispatchMode):
             if op is not None:
                 self.events.append(Event("alloc", sid, op=op))
         return sid
+
+    def register_saved_number(self, tensor: torch.Tensor, sequence_nr: int) -> None:
+        """A wrapped number autograd saved for the node numbered `sequence_nr` (_SavedWrappedNumbers):
+        allocated with the op that made the node, freed when the node releases it."""
+        op = next((i for i in range(len(self.ops) - 1, -1, -1) if self.sequence_nrs[i] <= sequence_nr), -1) + 1
+        op = min(op, len(self.ops) - 1)
+        sid = self.register(tensor, "activations")
+        self.storages[sid]["op"] = op
+        position = len(self.events)
+        while position and self.events[position - 1].op is not None and self.events[position - 1].op > op:
+            position -= 1
+        self.events.insert(position, Event("alloc", sid, op=op))
 
     def _freed(self, sid: int) -> None:
         self.events.append(Event("free", sid, op=len(self.ops) - 1))
@@ -373,6 +387,7 @@ class _Recorder(TorchDispatchMode):
         if func in _FOUND_INF_WRITERS:
             self.found_inf.add(args[1].untyped_storage())
         index = len(self.ops)
+        self.sequence_nrs.append(torch._C._autograd._get_sequence_nr())
         read_storages = {t.untyped_storage() for t in inputs}
         reads = tuple(self.ids[s] for s in read_storages if s in self.ids)
         writes = tuple(self.ids[t.untyped_storage()] for t in written if t.untyped_storage() in self.ids)
@@ -617,6 +632,56 @@ class _InPlaceScopes(torch.overrides.TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             self.recorder.in_place_calls.pop()
+
+
+class _SavedWrappedNumbers(torch.overrides.TorchFunctionMode):
+    """A Python number passed where an op takes a Tensor (`x * 0.5`, `scores / math.sqrt(d)`) is made a
+    0-dim CPU "wrapped number" tensor by the argument parser, below the tracer (which sees a number
+    and counts it as scratch of the op: memplan/scratch.py). When autograd saves it for backward
+    (MulBackward0 and DivBackward0 keep `other`, MaximumBackward0 both operands), it lives in the node
+    until the backward releases it: 8 bytes per op in eager's forward peak. Autograd applies no saved
+    tensor hooks to wrapped numbers (torch/csrc/autograd/saved_variable.cpp), so the tracer's pack hook
+    never sees them: after each call, the nodes it made (sequence numbers from before the call on) are
+    read for tensors saved without a hook that are real (not fake), 0-dim and unknown to the recorder,
+    and each is registered as an allocation of the op that made its node."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self._saved_names: dict[type, tuple[str, ...]] = {}  # node type -> its `_raw_saved_*` attributes
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        start = torch._C._autograd._get_sequence_nr()
+        out = func(*args, **(kwargs or {}))
+        end = torch._C._autograd._get_sequence_nr()
+        if end != start and torch.is_grad_enabled():
+            self._register_saved_numbers(out, start, end)
+        return out
+
+    def _register_saved_numbers(self, out: Any, start: int, end: int) -> None:
+        nodes = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set[int] = set()
+        while nodes:
+            node = nodes.pop()
+            if node is None or id(node) in seen or not start <= node._sequence_nr() < end:
+                continue
+            seen.add(id(node))
+            nodes.extend(next_node for next_node, _ in node.next_functions)
+            names = self._saved_names.get(type(node))
+            if names is None:
+                names = self._saved_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+            for name in names:
+                try:
+                    raw = getattr(node, name)
+                except RuntimeError:
+                    continue
+                for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+                    # `data` is the tensor saved as it is, None for one a hook packed (reading it
+                    # unpacks nothing: a checkpointed segment is not recomputed)
+                    value = getattr(saved, "data", None)
+                    if (isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0
+                            and value.untyped_storage() not in self.recorder.ids):
+                        self.recorder.register_saved_number(value, node._sequence_nr())
 
 
 def _pad_packed_sequence(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool,
@@ -1105,9 +1170,10 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:
             with rules.function_mode(), _fake_tensors_unseen(), _fake_scalars_format_as_values(), \
-                    _fake_tensors_to_numpy(recorder), _InPlaceScopes(recorder), _Rewrites(), recorder, \
-                    _module_scopes(recorder, prepared.model, calls), \
-                    torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
+                    _fake_tensors_to_numpy(recorder), _SavedWrappedNumbers(recorder), _InPlaceScopes(recorder), \
+                    _Rewrites(), recorder, _module_scopes(recorder, prepared.model, calls), \
+                    torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved), \
+                    _collector_off():
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:
             if hasattr(rules.autocast, "close"):
@@ -1125,6 +1191,21 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         approximate_ops=tuple(dict.fromkeys(recorder.approximate)),
         saved_tensors=dict(recorder.saved_tensors),
     )
+
+
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """The step runs with Python's cycle collector off, as memplan.verify measures it: a tensor that
+    only a reference cycle holds (a torch.distributions object's loc and scale, say) then lives to the
+    end of the run in both, where a collection at a moment that depends on the tracer's own Python
+    allocations would free it early in the trace alone."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _cut_after_last_step(events: tuple[Event, ...]) -> tuple[Event, ...]:

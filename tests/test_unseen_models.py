@@ -762,3 +762,56 @@ def group_normed_blocks(batch_size: int = 2):
 @pytest.mark.parametrize("precision", ["amp-bf16", "amp-fp16"])
 def test_group_norm_statistics_in_float_for_mixed_types(precision):
     _check(group_normed_blocks, precision=precision, optimizer="sgd")
+
+
+def scaled_by_python_numbers(batch_size: int = 2):
+    """Attention-style scaling by Python numbers (`q * self.scaling`, `scores / math.sqrt(d)`, an
+    in-place `mul_`): autograd keeps each number's 0-dim wrapped tensor for backward, 8 bytes a time
+    that the dispatch-level trace never sees allocated."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(16, 16)
+            self.k = nn.Linear(16, 16)
+
+        def forward(self, x):
+            q = self.q(x) * 0.25
+            scores = (q @ self.k(x).transpose(1, 2)) / 4.0
+            return (scores.softmax(-1) + 1).mul_(3.0).square().mean()
+
+    return Net(), (torch.randn(batch_size, 6, 16),)
+
+
+def test_python_numbers_autograd_saves_live_until_backward():
+    _check(scaled_by_python_numbers, optimizer="sgd")
+
+
+def held_by_a_reference_cycle(batch_size: int = 2):
+    """A tensor that only a reference cycle holds (torch.distributions objects, a module caching its
+    inputs in a dict that refers to itself): eager's step, measured with the cycle collector off, keeps
+    it to the end of the run, one more each step."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.proj(x)
+            cycle: dict = {"stats": h.detach().abs().mean(0)}
+            cycle["self"] = cycle
+            for _ in range(200):  # Python garbage of its own, so that a collection would come round
+                junk: list = []
+                junk.append(junk)
+            return h.square().mean()
+
+    return Net(), (torch.randn(batch_size, 8, 16),)
+
+
+def test_garbage_in_reference_cycles_lives_as_in_eager():
+    _check(held_by_a_reference_cycle, optimizer="sgd")
+
+
+def test_garbage_in_reference_cycles_grows_every_step():
+    _check(held_by_a_reference_cycle, optimizer="sgd", steps=4)
