@@ -59,11 +59,16 @@ def _batch_norm_output_layout_cpu(args: tuple, kwargs: dict, out: Any) -> Any:
     after it copies its input (matmul's contiguous copy) where under tracing it viewed (addmm):
     one activation-sized copy per projection, 1-4% of the peak."""
     out = _batch_norm_stats_fp32(args, kwargs, out)
-    y = out[0]
-    layout = suggest_memory_format(args[0])
-    if y.is_contiguous(memory_format=layout):
-        return out
-    return (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=layout), *out[1:])
+    return (_in_suggested_layout(out[0], args[0]), *out[1:])
+
+
+def _in_suggested_layout(t: torch.Tensor | None, reference: torch.Tensor) -> torch.Tensor | None:
+    """`t`, or an empty tensor like it in the memory format `reference` suggests: the CPU kernels'
+    `empty_like(..., reference.suggest_memory_format())` (row-major unless channels-last)."""
+    layout = suggest_memory_format(reference)
+    if t is None or t.is_contiguous(memory_format=layout):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=layout)
 
 
 for _device in ("cpu", "cuda"):
@@ -79,14 +84,7 @@ def _batch_norm_grad_layout_cpu(args: tuple, kwargs: dict, out: Any) -> Any:
     flattened to tokens) gets a channels-last incoming gradient for a row-major input: under tracing
     the convolution's backward then read a channels-last gradient and its oneDNN scratch was probed
     for that layout (256 B more than eager's, +0.10% at CvT's bf16 backward peak)."""
-    grad_input = out[0]
-    if grad_input is None:
-        return out
-    layout = suggest_memory_format(args[1])
-    if grad_input.is_contiguous(memory_format=layout):
-        return out
-    return (torch.empty(grad_input.shape, dtype=grad_input.dtype, device=grad_input.device, memory_format=layout),
-            *out[1:])
+    return (_in_suggested_layout(out[0], args[1]), *out[1:])
 
 
 OUTPUT_FIXES[("cpu", aten.native_batch_norm_backward.default)] = _batch_norm_grad_layout_cpu
@@ -124,43 +122,36 @@ def _col2im_storage(args: tuple, kwargs: dict, out: Any) -> Any:
 OUTPUT_FIXES[("cpu", aten.col2im.default)] = _col2im_storage
 
 
-def _layer_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
-    """aten/src/ATen/native/layer_norm.cpp layer_norm_cpu: with a bf16/fp16 input and an fp32 weight
-    or bias (autocast keeps LayerNorm's parameters fp32), `is_mixed_type` holds and the mean and rstd
-    it saves for backward are fp32 (param_scalar_type); the fake kernel uses the input's dtype."""
-    x = args[0]
-    params = [t for t in args[2:4] if isinstance(t, torch.Tensor)]
-    if x.dtype in (torch.float16, torch.bfloat16) and params and params[0].dtype == torch.float32:
-        return (out[0], *(t.new_empty(t.shape, dtype=torch.float32) for t in out[1:3]))
-    return out
+def _mixed_type_stats_fp32(params: slice) -> OutputFix:
+    """aten/src/ATen/native/layer_norm.cpp layer_norm_cpu and group_norm.cpp native_group_norm: with a
+    bf16/fp16 input and an fp32 weight or bias (`args[params]`; autocast keeps the norms' parameters
+    fp32), `is_mixed_type` holds and the mean and rstd saved for backward are fp32
+    (param_scalar_type); the fake kernels use the input's dtype."""
+
+    def fix(args: tuple, kwargs: dict, out: Any) -> Any:
+        x = args[0]
+        given = [t for t in args[params] if isinstance(t, torch.Tensor)]
+        if x.dtype in (torch.float16, torch.bfloat16) and given and given[0].dtype == torch.float32:
+            return (out[0], *(t.new_empty_strided(t.shape, t.stride(), dtype=torch.float32) for t in out[1:3]))
+        return out
+
+    return fix
 
 
-OUTPUT_FIXES[("cpu", aten.native_layer_norm.default)] = _layer_norm_stats_fp32
-
-
-def _group_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
-    """aten/src/ATen/native/group_norm.cpp native_group_norm: as layer_norm_cpu, a bf16/fp16 input with
-    an fp32 weight or bias (autocast keeps GroupNorm's parameters fp32) is `is_mixed_type`, and the
-    mean and rstd it saves for backward are fp32 (param_scalar_type); the fake kernel uses the input's
-    dtype."""
-    x = args[0]
-    params = [t for t in args[1:3] if isinstance(t, torch.Tensor)]
-    if x.dtype in (torch.float16, torch.bfloat16) and params and params[0].dtype == torch.float32:
-        return (out[0], *(t.new_empty_strided(t.shape, t.stride(), dtype=torch.float32) for t in out[1:3]))
-    return out
+OUTPUT_FIXES[("cpu", aten.native_layer_norm.default)] = _mixed_type_stats_fp32(slice(2, 4))
 
 
 def _group_norm_grad_input_dtype(args: tuple, kwargs: dict, out: Any) -> Any:
     """group_norm.cpp native_group_norm_backward allocates the input gradient like the input (its
     dtype); the fake kernel takes the saved mean's dtype, fp32 for a mixed-type forward
-    (_group_norm_stats_fp32)."""
+    (_mixed_type_stats_fp32)."""
     x, grad_input = args[1], out[0]
     if grad_input is None or grad_input.dtype == x.dtype:
         return out
     return (grad_input.new_empty_strided(grad_input.shape, grad_input.stride(), dtype=x.dtype), *out[1:])
 
 
-OUTPUT_FIXES[("cpu", aten.native_group_norm.default)] = _group_norm_stats_fp32
+OUTPUT_FIXES[("cpu", aten.native_group_norm.default)] = _mixed_type_stats_fp32(slice(1, 3))
 OUTPUT_FIXES[("cpu", aten.native_group_norm_backward.default)] = _group_norm_grad_input_dtype
 
 
