@@ -8,6 +8,7 @@ threads. Nothing here is a number copied from the code: every expected value is 
 
 import pytest
 import torch
+from conftest import skip_unless_cpu_runs_bf16_lstm
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
@@ -194,6 +195,8 @@ def test_bf16_matmul_layouts():
 def test_lstm_layer(dtype):
     """One nn.LSTM layer on oneDNN (mkldnn/RNN.cpp): forward scratch, the workspace it keeps for the
     backward (which the meta kernel leaves empty), and the backward's scratch through the fake path."""
+    if dtype == BF16:
+        skip_unless_cpu_runs_bf16_lstm()
     seq, batch, inp, hidden = 12, 2, 16, 24
 
     def forward_args():
