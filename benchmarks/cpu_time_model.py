@@ -1,17 +1,21 @@
-"""The CPU time model (memplan.timing.CPU) against measured step time, per kind of checkpoint segment.
+"""The CPU time model against measured step time, per kind of checkpoint segment.
 
-    python benchmarks/cpu_time_model.py [--runs 10] [--threads 2]
+    python benchmarks/cpu_time_model.py [--runs 10] [--threads 2] [--builtin]
+
+The model's constants are measured on this machine first (memplan.cpu_calibration); --builtin prices
+with memplan.timing.CPU's, measured on the CI machine.
 
 On the 6-layer GPT of benchmarks/selective.py (d 256, batch 8), each probe plan checkpoints one kind
 of segment in all six blocks: whole blocks, attention, MLP (full recompute), and the selective
 policies plan_selective chooses at 30-50% budgets. Per plan: what the model adds to the step, split
 into its terms (recomputed matmul FLOPs, element-wise bytes, host dispatch, checkpoint hooks per saved
-tensor, the selective policy's per-op dispatch), and the measured extra seconds of one fp32 SGD step
+tensor, the selective policy's dispatch per op it sees and per op it keeps), and the measured extra seconds of one fp32 SGD step
 (the median over --runs rounds of planned - unplanned, the models taking turns).
 
 A second table: what a selective policy adds per op, by the size of the op's output, on a chain of 50
-multiplications (as benchmarks/cpu_calibration.py measures it on 4-byte tensors): keeping every output
-(MUST_SAVE) and recomputing every one (PREFER_RECOMPUTE), against the plain chain.
+multiplications (which save nothing, so backward recomputes nothing): keeping every output (MUST_SAVE)
+and recomputing every one (PREFER_RECOMPUTE), against the plain chain. The model's policy cost is per
+op, whatever the size.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from tabulate import tabulate
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memplan.closed_loop import EstimateCache
+from memplan.cpu_calibration import measure_cpu_model
 from memplan.plan import Segment
 from memplan.selective import plan_selective
 from memplan.step import StepConfig
-from memplan.timing import METADATA_QUERIES, POLICY_BLIND, bytes_moved, output_bytes, time_model
+from memplan.timing import CPU, METADATA_QUERIES, POLICY_BLIND, bytes_moved, kept_ops, output_bytes
 
 TERMS = ("matmul", "element-wise", "dispatch", "hooks", "policy")
 
@@ -57,25 +62,26 @@ def modelled_terms(trace, model) -> np.ndarray:
 
 
 def checkpoint_terms(trace, plan, model) -> np.ndarray:
-    """Hooks per saved tensor and policy dispatch per op (memplan.timing.checkpoint_seconds), apart."""
-    saved = seen = 0
+    """Hooks per saved tensor, and policy dispatch per op seen and per op kept (memplan.timing.checkpoint_seconds)."""
+    saved = seen = kept = 0
     for segment in plan.segments:
-        for path in segment.modules:
-            call = trace.first_forward_call(path)
-            ops = trace.ops[call.first_op : call.end_op]
-            saved += sum(trace.saved_tensors.get(op.index, 0) for op in ops)
-            if segment.policy == "selective":
-                seen += sum(op.name not in POLICY_BLIND for op in ops)
-    return np.array([saved * model.checkpoint_seconds_per_saved_tensor, seen * model.selective_seconds_per_op])
+        calls = [trace.first_forward_call(path) for path in segment.modules]
+        ops = [op for call in calls for op in trace.ops[call.first_op : call.end_op]]
+        saved += sum(trace.saved_tensors.get(op.index, 0) for op in ops)
+        if segment.policy == "selective":
+            seen += sum(op.name not in POLICY_BLIND for op in ops)
+            kept += len(kept_ops(ops, segment.saved_ops))
+    return np.array([saved * model.checkpoint_seconds_per_saved_tensor,
+                     seen * model.selective_seconds_per_op + kept * model.selective_seconds_per_kept_op])
 
 
-def probe_plans(workload, config, cache, unplanned_peak):
+def probe_plans(workload, config, cache, unplanned_peak, model=CPU):
     """Each kind of segment in all six blocks: full ones, and every selective policy plan_selective chose."""
     chosen: dict[tuple, None] = {}  # (segment's paths relative to its block, saved ops), in order
     for fraction in (0.3, 0.4, 0.5):
         for processor in ("cpu", "h100"):
             result = plan_selective(workload, config, int(fraction * unplanned_peak), device="cpu",
-                                    processor=processor, cache=cache)
+                                    processor=model if processor == "cpu" else processor, cache=cache)
             for segment in result.plan.segments:
                 if segment.policy == "selective":
                     relative = tuple(path.split(".", 2)[-1] for path in segment.modules)  # "h.3.ln_2" -> "ln_2"
@@ -141,14 +147,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--builtin", action="store_true", help="price with memplan.timing.CPU, not a model measured now")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
     (_, workload), = list(workloads(["gpt-d256"], 8))
     cache = EstimateCache()
     unplanned, trace = cache.estimate(workload, config, "cpu")
-    model = time_model("cpu")
-    segments, template = probe_plans(workload, config, cache, unplanned.peak_bytes)
+    model = CPU if args.builtin else measure_cpu_model()
+    segments, template = probe_plans(workload, config, cache, unplanned.peak_bytes, model)
     plans = [replace(template, segments=tuple(s), method="probe") for s in segments.values()]
     base = modelled_terms(trace, model)
     terms = np.array([np.r_[modelled_terms(cache.realise(workload, config, "cpu", plan)[1], model) - base,
@@ -156,6 +163,7 @@ def main() -> None:
     measured, unplanned_seconds = measured_extra(workload, config, plans, args.runs)
     rows = [(label, *(f"{1e3 * t:.2f}" for t in row), f"{1e3 * row.sum():.2f}", f"{1e3 * m:.2f}",
              f"{1e3 * (m - row.sum()):+.2f}") for label, row, m in zip(segments, terms, measured)]
+    print(f"CPU model: {model.description}")
     print(f"unplanned step: measured {1e3 * unplanned_seconds:.1f} ms (median), modelled {1e3 * base.sum():.1f} ms")
     print(tabulate(rows, headers=["6 segments of", *(f"{t} ms" for t in TERMS), "model ms", "measured ms",
                                   "measured - model"]))

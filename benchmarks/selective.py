@@ -2,15 +2,17 @@
 
     python benchmarks/selective.py [--models gpt2,llama2-7b,gpt-d256] [--fracs 0.3,0.4,0.5,0.6,0.7]
                                    [--objective seconds] [--gpu h100] [--runs 10] [--threads 2] [--no-measure]
+                                   [--builtin-cpu-model]
 
 Per model and budget, two selective plans, each priced on the processor it is for (memplan.timing):
 - GPU-priced (--gpu's roofline): its predicted peak (the estimator on the planned model), the peak
   `verify --device cpu` measures, and its recompute overhead as FLOPs %, roofline GPU time % and CPU
   step time %;
-- CPU-priced (the CPU time model, which counts host time per op and the selective policy's dispatch):
+- CPU-priced (the CPU time model, which counts host time per op and the selective policy's dispatch;
+  its constants measured on this machine first, memplan.cpu_calibration, unless --builtin-cpu-model):
   its measured peak, FLOPs %, modelled CPU % and measured CPU step time %;
 whether each plan's fp32 gradients equal eager's (dropout included, the same seed);
-and the same for the block-level optimal plan (memplan.planner.plan_checkpoints, which both get as a
+and the same for the block-level optimal plan (memplan.planner.plan_checkpoints on the CPU model, which both get as a
 baseline, so each returns a plan that costs no more on its processor); the op-level reference figures
 (simulated time overhead, measured by its authors with their own cost model); the least any recompute
 plan needs (memplan.recompute_bound: FLOPs %, roofline GPU %, modelled CPU % without checkpointing's host
@@ -42,11 +44,13 @@ import torch
 from tabulate import tabulate
 
 from memplan.closed_loop import EstimateCache
+from memplan.cpu_calibration import measure_cpu_model
 from memplan.emit import apply_plan
 from memplan.planner import plan_checkpoints
 from memplan.recompute_bound import least_recompute
 from memplan.selective import plan_overhead, plan_selective
 from memplan.step import StepConfig, prepare_step, run_steps
+from memplan.timing import CPU
 from memplan.verify import measure
 from memplan.workload import resolve_workload
 from models import TINY_OVERRIDES
@@ -120,8 +124,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-measure", action="store_true")
+    parser.add_argument("--builtin-cpu-model", action="store_true",
+                        help="price on memplan.timing.CPU's constants, not on a model measured here first")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    cpu = CPU if args.builtin_cpu_model else measure_cpu_model()
+    print(f"CPU-priced plans, block level and the CPU bound: {cpu.description}")
     config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
     rows, infeasible = [], []
     for name, workload in workloads(args.models.split(","), args.batch):
@@ -131,11 +139,11 @@ def main() -> None:
             budget = int(frac * unplanned.peak_bytes)
             cold = plan_selective(workload, config, budget, device="cpu", objective=args.objective, processor=args.gpu)
             started = time.perf_counter()
-            block = plan_checkpoints(workload, config, budget, device="cpu")
+            block = plan_checkpoints(workload, config, budget, device="cpu", processor=cpu)
             block_seconds = time.perf_counter() - started
             on_gpu, on_cpu = (plan_selective(workload, config, budget, device="cpu", objective=args.objective,
                                              processor=processor, cache=cache, baselines=(block.plan,))
-                              for processor in (args.gpu, "cpu"))
+                              for processor in (args.gpu, cpu))
             plans = {"GPU-priced": on_gpu.plan, "CPU-priced": on_cpu.plan, "block-level": block.plan}
             for method, plan in plans.items():
                 if not plan.feasible:
@@ -152,9 +160,9 @@ def main() -> None:
             grads = " ".join("-" if plan is None else "yes" if gradients_equal_eager(workload, plan) else "NO"
                              for plan in fitting.values())
             block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu, cache)
-            block_cpu_model = plan_overhead(workload, config, block.plan, "cpu", "cpu", cache)[1]
+            block_cpu_model = plan_overhead(workload, config, block.plan, "cpu", cpu, cache)[1]
             bounds = [least_recompute(workload, config, budget, "cpu", gpu, objective, cache).pct
-                      for gpu, objective in ((None, "flops"), (args.gpu, "seconds"), ("cpu", "seconds"))]
+                      for gpu, objective in ((None, "flops"), (args.gpu, "seconds"), (cpu, "seconds"))]
 
             ok = {method: plan is not None for method, plan in fitting.items()}
             rows.append([

@@ -94,6 +94,10 @@ def plan_command(
         bool, typer.Option("--selective", help="Op-level save policies inside segments: keep chosen op calls' outputs.")
     ] = False,
     gpu: GpuOpt = None,
+    calibrate_cpu: Annotated[
+        bool, typer.Option("--calibrate-cpu", help="With --device cpu: price recomputation with CPU time constants "
+                           "measured on this machine first (about 10 s), not the built-in ones.")
+    ] = False,
     out: Annotated[str | None, typer.Option("--out", help="Write the plan as JSON to this file.")] = None,
     emit: Annotated[str | None, typer.Option("--emit", help="Write a Python module applying the plan.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --emit file.")] = False,
@@ -110,6 +114,8 @@ def plan_command(
     if method is not None and selective:
         raise BadInput("--method chooses the block-level solver; --selective plans with its own")
     method = method or METHODS[0]
+    if calibrate_cpu and device != "cpu":
+        raise BadInput("--calibrate-cpu prices a step on this machine's CPU; use it with --device cpu")
     if plot:
         report.check_plot_path(plot)
     # Before any work: a plan that takes minutes should not fail on a path at the end.
@@ -119,21 +125,27 @@ def plan_command(
     if out and emit and Path(out).resolve() == Path(emit).resolve():
         raise BadInput(f"--out and --emit name the same file ({out}): the module would replace the plan")
     workload, config = _workload_and_step(model, batch_size, set_, precision, optimizer, grad_accum)
+    processor = card and card.name
+    if calibrate_cpu:
+        from memplan.cpu_calibration import measure_cpu_model
+
+        with progress("measuring this CPU's time model ...", quiet):
+            processor = measure_cpu_model()
     cache = EstimateCache()
     with progress(f"planning {model}: solving and re-estimating the checkpointed step ...", quiet):
         if selective:
             from memplan.selective import plan_selective
 
-            result = plan_selective(workload, config, budget_bytes, device, processor=card and card.name,
+            result = plan_selective(workload, config, budget_bytes, device, processor=processor,
                                     time_limit_s=SELECTIVE_TIME_LIMIT_S, cache=cache)
         else:
             result = plan_checkpoints(workload, config, budget_bytes, device, method, gpu=card and card.name,
-                                      time_limit_s=PLAN_TIME_LIMIT_S, cache=cache)
+                                      processor=processor, time_limit_s=PLAN_TIME_LIMIT_S, cache=cache)
     plan, floor = result.plan, result.floor
     bound = None
     if plan.feasible and plan.segments:
         with progress("bounding what any plan recomputes ...", quiet):
-            bound = _least_recompute(workload, config, budget_bytes, device, card, cache)
+            bound = _least_recompute(workload, config, budget_bytes, device, processor, cache)
     others = ()
     if not plan.feasible:
         with progress("looking for what would fit instead ...", quiet):
@@ -150,7 +162,7 @@ def plan_command(
         _plot_before_after(plot, workload, config, device, plan, budget_bytes, card, quiet)
     overhead = overhead_pct(plan.recompute_flops, plan.step_flops)
     recompute_s = plan.recompute_seconds or 0.0
-    clock = time_model_for(device, card and card.name, precision)
+    clock = time_model_for(device, processor, precision)
     usable = report.usable_bytes(card) if card else None
     if as_json:
         print_json({
@@ -227,7 +239,7 @@ def plan_command(
         )
 
 
-def _least_recompute(workload, config, budget_bytes, device, card, cache):
+def _least_recompute(workload, config, budget_bytes, device, processor, cache):
     """memplan.recompute_bound's bound in seconds on the plan's time model; None without scipy, whose
     MILP solver it needs (the `plan` extra)."""
     try:
@@ -237,7 +249,7 @@ def _least_recompute(workload, config, budget_bytes, device, card, cache):
         return None
     from memplan.recompute_bound import least_recompute
 
-    bound = least_recompute(workload, config, budget_bytes, device, card and card.name, cache=cache)
+    bound = least_recompute(workload, config, budget_bytes, device, processor, cache=cache)
     return bound if math.isfinite(bound.cost) else None  # finite wherever a plan fits; JSON has no infinity
 
 

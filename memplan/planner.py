@@ -29,7 +29,7 @@ from memplan.plan import Plan, Segment
 from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
-from memplan.timing import op_seconds, recompute_seconds, time_model_for
+from memplan.timing import TimeModel, op_seconds, recompute_seconds, time_model_for
 from memplan.trace import ModuleCall, Op, Trace
 from memplan.workload import Workload
 
@@ -460,6 +460,7 @@ def plan_checkpoints(
     device: str = "cuda",
     method: str = "optimal-dp",
     gpu: str | None = None,
+    processor: str | TimeModel | None = None,
     time_limit_s: float | None = None,
     cache: EstimateCache | None = None,
     worth_checking: Callable[[Plan], bool] = lambda plan: True,
@@ -479,7 +480,7 @@ def plan_checkpoints(
 
     cache = cache or EstimateCache()
     unplanned, trace = cache.estimate(workload, config, device, gpu)
-    clock = time_model_for(device, gpu, config.precision)
+    clock = time_model_for(device, gpu if processor is None else processor, config.precision)
 
     def re_estimate(draft: Plan) -> tuple[Plan, Estimate]:
         """The estimator's peak and FLOPs, and the time model's seconds on its trace (as plan_selective's)."""

@@ -43,7 +43,7 @@ from memplan.errors import BadInput
 from memplan.estimate import eager_events, opened_workspace
 from memplan.solvers import highs_stdout_to_stderr
 from memplan.step import StepConfig
-from memplan.timing import CPU_NAME, TimeModel, op_seconds, time_model_for
+from memplan.timing import TimeModel, gpu_named, op_seconds, time_model_for
 from memplan.trace import Op, Trace
 from memplan.workload import Workload
 
@@ -76,13 +76,13 @@ class RecomputeBound:
 
 
 def least_recompute(workload: Workload, config: StepConfig, budget_bytes: int, device: str = "cuda",
-                    gpu: str | None = None, objective: str = "seconds",
+                    gpu: str | TimeModel | None = None, objective: str = "seconds",
                     cache: EstimateCache | None = None) -> RecomputeBound:
     """recompute_bound of the step the planners plan (the same trace and allocator rounding): in FLOPs, or
     in seconds on `gpu`'s roofline or the CPU's model (memplan.timing; None: what `device` runs on)."""
     if objective not in PRICES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(PRICES)}")
-    card = gpu if device == "cuda" and gpu not in (None, CPU_NAME) else None  # the GPU's workspaces
+    card = gpu_named(device, gpu)
     _, trace = (cache or EstimateCache()).estimate(workload, config, device, card)
     cost = PRICES[objective](trace, time_model_for(device, gpu, config.precision))
     step_cost = sum(cost(op) for op in trace.ops if op.step == 0)

@@ -33,7 +33,7 @@ import torch
 from memplan.estimate import Estimate, estimate_of_trace
 from memplan.plan import Plan, Segment
 from memplan.step import StepConfig, precision_rule
-from memplan.timing import POLICY_BLIND
+from memplan.timing import kept_ops
 from memplan.trace import Event, ModuleCall, Storage, Trace
 from memplan.workload import Workload
 
@@ -44,22 +44,6 @@ RNG_STATE_BYTES = torch.get_rng_state().nbytes  # checkpoint stashes the CPU gen
 class Replayed:
     trace: Trace  # the planned step's events over the unplanned step's ops and storages (and new ones)
     recomputed_ops: tuple[int, ...]  # op indices the plan runs again in backward (step 0)
-
-
-def kept_ops(trace: Trace, first_op: int, end_op: int, saved_ops: tuple[str, ...]) -> set[int]:
-    """The ops of [first_op, end_op) whose outputs a selective policy naming `saved_ops` keeps: an op
-    name keeps every call of it, "name#k" its k-th call among the ops the policy sees."""
-    saved = set(saved_ops)
-    seen: dict[str, int] = defaultdict(int)
-    kept = set()
-    for op in trace.ops[first_op:end_op]:
-        if op.name in POLICY_BLIND:
-            continue
-        position = seen[op.name]
-        seen[op.name] += 1
-        if op.name in saved or f"{op.name}#{position}" in saved:
-            kept.add(op.index)
-    return kept
 
 
 class Timeline:
@@ -145,7 +129,7 @@ def replay_plan(trace: Trace, plan: Plan, line: Timeline | None = None) -> Repla
         for head, tail in _segment_calls(trace, segment):
             first, end, step = head.first_op, tail.end_op, head.step
             forward_end = next((op.index for op in ops[end:] if op.phase != "forward" or op.step != step), len(ops))
-            kept = kept_ops(trace, first, end, segment.saved_ops) if segment.policy == "selective" else set()
+            kept = kept_ops(trace.ops[first:end], segment.saved_ops) if segment.policy == "selective" else set()
             allocated = [s for op in ops[first:end] for s in op.allocates]
             cached = {s for s in allocated if storages[s].allocated_by in kept}
             recreated = {s: None for s in allocated if s not in cached and line.freed_in(s, "backward", step)

@@ -89,10 +89,10 @@ from memplan.replay import RNG_STATE_BYTES, Timeline, casts_weight, estimate_rep
 from memplan.solvers import Solution
 from memplan.step import StepConfig, precision_rule
 from memplan.timing import (
-    CPU_NAME,
     POLICY_BLIND,
     TimeModel,
     checkpoint_seconds,
+    gpu_named,
     op_seconds,
     plan_checkpoint_seconds,
     recompute_seconds,
@@ -131,7 +131,7 @@ class SavedCall:
     held_bytes: int  # what keeping it adds to the bytes the block holds (its outputs, less the block's)
     needed_bytes: int  # of those, the activations autograd saves: recomputation no longer recreates them
     flops: int  # what keeping it saves in recomputation
-    seconds: float
+    seconds: float  # and in time: its recomputation, less the dispatch that hands back its kept output
     excluded: str = ""  # why it may not be kept ("" = it may)
     cast_bytes: int = 0  # of its needed bytes, autocast's casts of weights (see Policy.forward_residue_bytes)
 
@@ -273,7 +273,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
         calls.append(SavedCall(
             name=f"{op.name}#{position}", module=op.module,
             held_bytes=bb(mine - outputs), needed_bytes=bb((mine & activations) - outputs), flops=op.flops,
-            seconds=seconds[op.index],
+            seconds=seconds[op.index] - clock.selective_seconds_per_kept_op,
             excluded=f"its output is mutated in place by {', '.join(written)} later in the forward" if written else "",
             cast_bytes=bb(mine & casts),
         ))
@@ -300,7 +300,8 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
         )
 
     eligible = [c for c in calls if not c.excluded and (c.seconds > 0 or c.flops > 0)]
-    free = [c for c in eligible if c.held_bytes == 0]  # the block's own outputs: kept anyway
+    # the block's own outputs: kept anyway, where keeping them saves what the objective counts
+    free = [c for c in eligible if c.held_bytes == 0 and (c.seconds if objective == "seconds" else c.flops) > 0]
     priced = [c for c in eligible if c.held_bytes > 0]
     # the grid: 1/GRID of the transient, coarser where the kept bytes that shrink no transient dwarf it (a
     # sub-block that recreates little, as a norm): the table has a cell per quantum of those too
@@ -882,7 +883,7 @@ def plan_selective(
     budget_bytes: int,
     device: str = "cuda",
     objective: str = "seconds",
-    processor: str | None = None,
+    processor: str | TimeModel | None = None,
     cache: EstimateCache | None = None,
     baselines: Sequence[Plan] | None = None,
     time_limit_s: float | None = None,
@@ -903,7 +904,7 @@ def plan_selective(
     started = time.perf_counter()
     cache = cache or EstimateCache()
     clock = time_model_for(device, processor, config.precision)
-    gpu = _card(device, processor)
+    gpu = gpu_named(device, processor)
     unplanned, trace = cache.estimate(workload, config, device, gpu)
     peak_event = unplanned.simulation.peak_event if unplanned.simulation is not None else None
     candidates, blocks = profile_blocks(trace, device, clock, objective, peak_event,
@@ -1039,7 +1040,7 @@ def plan_selective(
         baselines = ()
         if in_time() or not any(plan.feasible for plan, _ in estimated.values()):
             left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
-            block_level = plan_checkpoints(workload, config, budget_bytes, device, gpu=gpu, time_limit_s=left,
+            block_level = plan_checkpoints(workload, config, budget_bytes, device, gpu=gpu, processor=processor, time_limit_s=left,
                                            cache=cache, worth_checking=might_cost_less)
             baselines = (block_level.plan,) if block_level.checked else ()
     external = []
@@ -1087,21 +1088,15 @@ def plan_selective(
 
 
 def plan_overhead(
-    workload: Workload, config: StepConfig, plan: Plan, device: str, processor: str | None = None,
+    workload: Workload, config: StepConfig, plan: Plan, device: str, processor: str | TimeModel | None = None,
     cache: EstimateCache | None = None,
 ) -> tuple[float, float]:
     """(FLOPs %, seconds % on `processor`) of any plan (e.g. the block-level planner's), from the estimator's
     traces, as plan_selective prices them."""
     clock = time_model_for(device, processor, config.precision)
     cache = cache or EstimateCache()
-    gpu = _card(device, processor)
+    gpu = gpu_named(device, processor)
     unplanned, trace = cache.estimate(workload, config, device, gpu)
     planned, planned_trace = cache.realise(workload, config, device, plan, gpu)
     extra = recompute_seconds(trace, planned_trace, plan, clock)
     return 100 * (planned.step_flops - unplanned.step_flops) / unplanned.step_flops, 100 * extra / step_seconds(trace, clock)
-
-
-def _card(device: str, processor: str | None) -> str | None:
-    """The GPU whose library workspaces the estimator models: `processor` where the step runs on CUDA
-    and is priced on a GPU (a step traced for the CPU may still be priced on a GPU's roofline)."""
-    return processor if device == "cuda" and processor not in (None, CPU_NAME) else None

@@ -7,16 +7,18 @@ Two kinds of processor, one rule each:
   kernel launches and dispatch, which overlap the device's work once ops are large enough.
 - the CPU: one thread of control runs everything, so compute, memory traffic and the host's dispatch
   add up, and the host time that selective checkpointing's Python dispatch modes add per op of a
-  segment is part of the step. The constants were measured on the 2-core CI machine by
+  segment is part of the step. The built-in constants were measured on the 2-core CI machine by
   `python benchmarks/cpu_calibration.py` (benchmarks/results/cpu_calibration.txt); on another CPU they
-  are a model, not a measurement.
+  are a model, not a measurement: memplan.cpu_calibration.measure_cpu_model measures them there, and
+  the planners take the model it returns in place of a processor's name.
 
 A model's name is a GPU's (see memplan.gpus.GPUS) or "cpu".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -49,12 +51,15 @@ class TimeModel:
     serial: bool  # compute, memory and host time add up (CPU); else the roofline's max (GPU)
     seconds_per_op: float = 0.0  # host dispatch, per op (serial models only)
     # torch.utils.checkpoint's host time: per tensor autograd saves inside a segment (its pack and unpack
-    # hooks), and per op of a selective segment's forward (the policy's dispatch modes, both passes)
+    # hooks), per op of a selective segment's forward (the policy's dispatch modes, both passes), and per
+    # op whose output it keeps (recomputation dispatches it again to hand back the cached output)
     checkpoint_seconds_per_saved_tensor: float = 0.0
     selective_seconds_per_op: float = 0.0
+    selective_seconds_per_kept_op: float = 0.0
     # ops that compute far more per element than they move: seconds per byte of output (serial models only),
     # by op name, or "name[variant]" where an argument changes the cost (memplan.trace.Op.variant)
     seconds_per_output_byte: Mapping[str, float] = field(default_factory=dict)
+    measured_on: str = ""  # where a serial model's constants come from
 
     def seconds(self, flops: float, bytes_moved: float, op: str = "", output_bytes: int = 0) -> float:
         if flops < 0 or bytes_moved < 0:
@@ -69,33 +74,34 @@ class TimeModel:
     def description(self) -> str:
         if self.serial:
             return (f"the CPU time model ({self.flops_per_s / 1e9:.0f} GFLOP/s, {self.bytes_per_s / 1e9:.0f} GB/s, "
-                    f"{1e6 * self.seconds_per_op:.1f} us per op, measured on a 2-core machine)")
+                    f"{1e6 * self.seconds_per_op:.1f} us per op, measured on {self.measured_on})")
         return f"{self.name} (roofline over each op's FLOPs and bytes at peak rates: a lower bound)"
 
 
-# benchmarks/results/cpu_calibration.txt: 2 threads, fp32 (other precisions are priced alike); GELU's tanh
-# form from its second run
+# benchmarks/results/cpu_calibration.txt: 2 threads, fp32 (other precisions are priced alike); each constant
+# the median of three runs on the CI machine
 CPU = TimeModel(
-    CPU_NAME, flops_per_s=186e9, bytes_per_s=141e9, serial=True, seconds_per_op=2.8e-6,
-    checkpoint_seconds_per_saved_tensor=11e-6, selective_seconds_per_op=18e-6,
+    CPU_NAME, flops_per_s=102e9, bytes_per_s=54.1e9, serial=True, seconds_per_op=7.7e-6,
+    checkpoint_seconds_per_saved_tensor=41e-6, selective_seconds_per_op=74e-6, selective_seconds_per_kept_op=29e-6,
     seconds_per_output_byte=MappingProxyType({
-        "aten.bernoulli_.float": 1.5e-9,
-        "aten.bernoulli_.Tensor": 1.5e-9,
-        "aten.native_dropout.default": 1.6e-9,
-        "aten.gelu.default": 6.0e-11,
-        "aten.gelu.default[tanh]": 2.1e-10,
-        "aten.silu.default": 5.4e-11,
-        "aten.sigmoid.default": 5.7e-11,
-        "aten.tanh.default": 3.4e-10,
-        "aten.exp.default": 1.1e-10,
-        "aten.erf.default": 1.8e-10,
-        "aten.rsqrt.default": 3.5e-11,
-        "aten._softmax.default": 8.3e-11,
-        "aten._safe_softmax.default": 2.7e-10,
-        "aten._log_softmax.default": 7.8e-11,
-        "aten.native_layer_norm.default": 1.4e-10,
-        "aten.where.self": 4.5e-10,
+        "aten.bernoulli_.float": 2.9e-9,
+        "aten.bernoulli_.Tensor": 2.7e-9,
+        "aten.native_dropout.default": 3.4e-9,
+        "aten.gelu.default": 1.8e-10,
+        "aten.gelu.default[tanh]": 5.3e-10,
+        "aten.silu.default": 1.8e-10,
+        "aten.sigmoid.default": 1.6e-10,
+        "aten.tanh.default": 5.8e-10,
+        "aten.exp.default": 2.0e-10,
+        "aten.erf.default": 2.9e-10,
+        "aten.rsqrt.default": 5.3e-11,
+        "aten._softmax.default": 2.2e-10,
+        "aten._safe_softmax.default": 7.2e-10,
+        "aten._log_softmax.default": 2.9e-10,
+        "aten.native_layer_norm.default": 3.1e-10,
+        "aten.where.self": 6.7e-10,
     }),
+    measured_on="the 2-core CI machine",
 )
 
 
@@ -107,10 +113,20 @@ def time_model(name: str, precision: str = "fp32") -> TimeModel:
     return TimeModel(spec.name, peak_flops(spec, precision), spec.bandwidth_bytes_per_s, serial=False)
 
 
-def time_model_for(device: str, processor: str | None = None, precision: str = "fp32") -> TimeModel:
-    """The model of `processor` where given, else of what a step on `device` runs on: the CPU, or the
-    default GPU."""
+def time_model_for(device: str, processor: str | TimeModel | None = None, precision: str = "fp32") -> TimeModel:
+    """The model of `processor` where given (a name, or a model itself, as
+    memplan.cpu_calibration.measure_cpu_model returns), else of what a step on `device` runs on: the CPU,
+    or the default GPU."""
+    if isinstance(processor, TimeModel):
+        return processor
     return time_model(processor or (CPU_NAME if device == "cpu" else DEFAULT_GPU), precision)
+
+
+def gpu_named(device: str, processor: str | TimeModel | None) -> str | None:
+    """The GPU whose library workspaces the estimator models: `processor` where the step runs on CUDA
+    and `processor` names a GPU (a step traced for the CPU may still be priced on a GPU's roofline)."""
+    named = isinstance(processor, str) and processor.lower() != CPU_NAME
+    return processor if device == "cuda" and named else None
 
 
 def bytes_moved(trace: Trace, op: Op) -> int:
@@ -141,12 +157,30 @@ def step_seconds(trace: Trace, model: TimeModel, step: int = 0) -> float:
     return sum(op_seconds(op, trace, model) for op in trace.ops if op.step == step)
 
 
-def checkpoint_seconds(ops: Sequence[Op], trace: Trace, model: TimeModel, selective: bool) -> float:
+def kept_ops(ops: Iterable[Op], saved_ops: Sequence[str]) -> set[int]:
+    """The indices of `ops` (one forward of a segment) whose outputs a selective policy naming `saved_ops`
+    keeps: an op name keeps every call of it, "name#k" its k-th call among the ops the policy sees."""
+    saved = set(saved_ops)
+    seen: dict[str, int] = defaultdict(int)
+    kept = set()
+    for op in ops:
+        if op.name in POLICY_BLIND:
+            continue
+        position = seen[op.name]
+        seen[op.name] += 1
+        if op.name in saved or f"{op.name}#{position}" in saved:
+            kept.add(op.index)
+    return kept
+
+
+def checkpoint_seconds(ops: Sequence[Op], trace: Trace, model: TimeModel, selective: bool, kept: int = 0) -> float:
     """Host time a checkpointed segment whose forward runs `ops` adds beyond recomputing them: the hooks
-    on every tensor autograd saves, and a selective policy's dispatch of every op it sees."""
+    on every tensor autograd saves, a selective policy's dispatch of every op it sees, and the dispatch
+    of the `kept` ops whose outputs recomputation hands back from its cache."""
     saved = sum(trace.saved_tensors.get(op.index, 0) for op in ops)
     seen = sum(op.name not in POLICY_BLIND for op in ops) if selective else 0
-    return saved * model.checkpoint_seconds_per_saved_tensor + seen * model.selective_seconds_per_op
+    return (saved * model.checkpoint_seconds_per_saved_tensor + seen * model.selective_seconds_per_op
+            + kept * model.selective_seconds_per_kept_op)
 
 
 def plan_checkpoint_seconds(trace: Trace, plan: Plan, model: TimeModel) -> float:
@@ -154,10 +188,11 @@ def plan_checkpoint_seconds(trace: Trace, plan: Plan, model: TimeModel) -> float
     modules, as their first forward call runs them in `trace`, the unplanned step)."""
     seconds = 0.0
     for segment in plan.segments:
-        for path in segment.modules:
-            call = trace.first_forward_call(path)
-            seconds += checkpoint_seconds(trace.ops[call.first_op : call.end_op], trace, model,
-                                          segment.policy == "selective")
+        calls = [trace.first_forward_call(path) for path in segment.modules]
+        ops = [op for call in calls for op in trace.ops[call.first_op : call.end_op]]
+        selective = segment.policy == "selective"
+        kept = len(kept_ops(ops, segment.saved_ops)) if selective else 0
+        seconds += checkpoint_seconds(ops, trace, model, selective, kept)
     return seconds
 
 

@@ -72,6 +72,7 @@ def test_bad_options_exit_1_with_one_line():
         (["estimate", "gpt2", "--grad-accum", "0"], "--grad-accum must be at least 1"),
         (["plan", "gpt2", "--budget", "lots"], "cannot read size 'lots'"),
         (["plan", "gpt2", "--budget", "1GiB", "--method", "greedy"], "unknown method 'greedy'"),
+        (["plan", "gpt2", "--budget", "1GiB", "--calibrate-cpu"], "--calibrate-cpu prices a step on this machine's CPU"),
     ]:
         result = runner.invoke(app, args)
         assert result.exit_code == 1, (args, result.output)
@@ -167,6 +168,16 @@ def test_plan_without_scipy_skips_the_recompute_bound_with_a_note(monkeypatch):
     payload = json.loads(result.stdout)
     assert payload["feasible"] and payload["segments"] and payload["recompute_bound_seconds"] is None
     assert "not bounding what any plan recomputes: that needs scipy" in result.stderr
+
+
+def test_plan_prices_on_this_cpu_when_asked():
+    """--calibrate-cpu measures this machine's CPU time model first and prices the plan on it."""
+    args = ["plan", "gpt2", "-b", "2", *TINY_GPT, "-o", "sgd", "--device", "cpu", "--budget", "1.5MiB"]
+    built_in = runner.invoke(app, args)
+    measured = runner.invoke(app, [*args, "--calibrate-cpu"])
+    assert built_in.exit_code == measured.exit_code == 0, measured.output
+    assert "measured on the 2-core CI machine" in built_in.stdout
+    assert "measured on this machine" in measured.stdout
 
 
 def test_plan_needs_a_budget_or_a_gpu():

@@ -145,7 +145,7 @@ def test_metadata_queries_cost_no_time():
 
 
 def test_gelu_is_priced_by_its_form():
-    """GELU's tanh form (GPT-2's) computes 3.5x as long per element as its erf form on a CPU
+    """GELU's tanh form (GPT-2's) computes about 3x as long per element as its erf form on a CPU
     (benchmarks/cpu_calibration.py): the trace keeps which form ran, and the CPU model prices each by its
     own measured rate; a GPU's roofline, bound by bandwidth for both, prices them alike."""
     def build(approximate):

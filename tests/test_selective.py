@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from memplan.closed_loop import EstimateCache
+from memplan.cpu_calibration import measure_cpu_model
 from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
@@ -30,7 +31,7 @@ from memplan.selective import (
     solve_selective_chain,
 )
 from memplan.step import StepConfig
-from memplan.timing import time_model
+from memplan.timing import CPU, plan_checkpoint_seconds, time_model
 from memplan.verify import measure
 from memplan.workload import Workload, resolve_workload
 from models import TINY_OVERRIDES, ZOO
@@ -254,6 +255,52 @@ def test_cpu_pricing_counts_the_policy_host_time():
     cpu_pct_of_gpu_plan = plan_overhead(workload, CONFIG, on_gpu.plan, "cpu")[1]
     assert cpu_pct_of_gpu_plan > on_cpu.seconds_overhead_pct
 
+
+
+def test_each_kept_output_costs_its_dispatch_in_recomputation():
+    """Backward runs a selective segment's forward again, and dispatches each kept op there to hand back
+    its cached output (memplan.cpu_calibration measures that apart from the policy's per-op cost): keeping
+    the MLP's two matmuls is priced two such dispatches above keeping nothing."""
+    workload = _gpt(n_layer=2)
+    _, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    keeping = _plan((Segment(("h.0.mlp",), "selective", ("aten.addmm.default",)),), workload)
+    nothing = _plan((Segment(("h.0.mlp",), "selective", ()),), workload)
+    priced = replace(CPU, selective_seconds_per_kept_op=1.0)
+    extra = plan_checkpoint_seconds(trace, keeping, priced) - plan_checkpoint_seconds(trace, nothing, priced)
+    assert extra == pytest.approx(2.0)
+
+
+def test_planners_price_with_a_time_model_given_in_place_of_a_name():
+    """A CPU model measured on the spot (memplan.cpu_calibration) goes where a processor's name would: the
+    block-level planner prices its plan on a model twice as slow at twice the seconds, and the selective
+    planner on a CPU whose checkpoint dispatch costs nothing and whose matmuls are slow keeps outputs, as
+    on the built-in model it does not (test_cpu_pricing_counts_the_policy_host_time)."""
+    workload = _gpt(n_layer=2)
+    unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
+    budget = int(0.6 * unplanned.peak_bytes)
+    slow = replace(CPU, flops_per_s=CPU.flops_per_s / 2, bytes_per_s=CPU.bytes_per_s / 2,
+                   seconds_per_op=2 * CPU.seconds_per_op,
+                   checkpoint_seconds_per_saved_tensor=2 * CPU.checkpoint_seconds_per_saved_tensor,
+                   seconds_per_output_byte={k: 2 * v for k, v in CPU.seconds_per_output_byte.items()})
+    cache = EstimateCache()
+    built_in, on_slow = (plan_checkpoints(workload, CONFIG, budget, device="cpu", processor=model, cache=cache).plan
+                         for model in (None, slow))
+    assert built_in.segments == on_slow.segments and built_in.recompute_seconds > 0
+    assert on_slow.recompute_seconds == pytest.approx(2 * built_in.recompute_seconds)
+    slow_matmuls = replace(CPU, flops_per_s=CPU.flops_per_s / 1000, checkpoint_seconds_per_saved_tensor=0.0,
+                           selective_seconds_per_op=0.0, selective_seconds_per_kept_op=0.0)
+    result = plan_selective(workload, CONFIG, budget, device="cpu", processor=slow_matmuls, cache=cache)
+    assert result.processor == "cpu" and any(s.policy == "selective" for s in result.plan.segments)
+
+
+def test_a_measured_cpu_model_prices_what_the_built_in_one_does():
+    """memplan.cpu_calibration measures every constant of the built-in CPU model, and the per-byte
+    prices of the same ops, on this machine."""
+    measured = measure_cpu_model(runs=2)
+    assert measured.serial and measured.name == CPU.name and measured.flops_per_s > 0 and measured.bytes_per_s > 0
+    assert measured.seconds_per_output_byte.keys() == CPU.seconds_per_output_byte.keys()
+    assert all(v > 0 for v in measured.seconds_per_output_byte.values())
+    assert "this machine" in measured.description
 
 # -- the solver on plain numbers -------------------------------------------------------------------
 
