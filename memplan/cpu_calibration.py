@@ -6,7 +6,7 @@ Each is the median of `runs` timed calls after a warm-up, fp32, on torch's curre
   inputs and output;
 - seconds per output byte of the element-wise ops that compute far more per element than they move
   (random numbers, transcendental functions, normalisations), on a 4 MiB tensor: dropout's mask costs
-  a hundred times an add on a CPU, so recomputing it is not cheap there;
+  fifty to a hundred times an add on a CPU, so recomputing it is not cheap there;
 - checkpointing's host time, on chains of ops on a one-element tensor, whose kernels cost almost
   nothing (one interleaved set of runs, so that load on the machine hits every kind alike):
   - per op: a chain of multiplications run forward;

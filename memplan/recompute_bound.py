@@ -79,7 +79,8 @@ def least_recompute(workload: Workload, config: StepConfig, budget_bytes: int, d
                     gpu: str | TimeModel | None = None, objective: str = "seconds",
                     cache: EstimateCache | None = None) -> RecomputeBound:
     """recompute_bound of the step the planners plan (the same trace and allocator rounding): in FLOPs, or
-    in seconds on `gpu`'s roofline or the CPU's model (memplan.timing; None: what `device` runs on)."""
+    in seconds on `gpu`'s roofline or the CPU's model (a name or a TimeModel, memplan.timing; None: what
+    `device` runs on)."""
     if objective not in PRICES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(PRICES)}")
     card = gpu_named(device, gpu)
