@@ -41,7 +41,7 @@ from memplan.cpu_calibration import measure_cpu_model
 from memplan.plan import Segment
 from memplan.selective import plan_selective
 from memplan.step import StepConfig
-from memplan.timing import CPU, METADATA_QUERIES, POLICY_BLIND, bytes_moved, kept_ops, output_bytes
+from memplan.timing import CPU, METADATA_QUERIES, bytes_moved, output_bytes, plan_checkpoint_seconds
 
 TERMS = ("matmul", "element-wise", "dispatch", "hooks", "policy")
 
@@ -62,17 +62,11 @@ def modelled_terms(trace, model) -> np.ndarray:
 
 
 def checkpoint_terms(trace, plan, model) -> np.ndarray:
-    """Hooks per saved tensor, and policy dispatch per op seen and per op kept (memplan.timing.checkpoint_seconds)."""
-    saved = seen = kept = 0
-    for segment in plan.segments:
-        calls = [trace.first_forward_call(path) for path in segment.modules]
-        ops = [op for call in calls for op in trace.ops[call.first_op : call.end_op]]
-        saved += sum(trace.saved_tensors.get(op.index, 0) for op in ops)
-        if segment.policy == "selective":
-            seen += sum(op.name not in POLICY_BLIND for op in ops)
-            kept += len(kept_ops(ops, segment.saved_ops))
-    return np.array([saved * model.checkpoint_seconds_per_saved_tensor,
-                     seen * model.selective_seconds_per_op + kept * model.selective_seconds_per_kept_op])
+    """memplan.timing.plan_checkpoint_seconds in two: the hooks per saved tensor, and the selective policy's
+    dispatch (per op it sees and per op it keeps)."""
+    hooks = plan_checkpoint_seconds(trace, plan, replace(model, selective_seconds_per_op=0.0,
+                                                         selective_seconds_per_kept_op=0.0))
+    return np.array([hooks, plan_checkpoint_seconds(trace, plan, model) - hooks])
 
 
 def probe_plans(workload, config, cache, unplanned_peak, model=CPU):

@@ -311,7 +311,7 @@ def estimate_and_trace(
 def _with_later_steps(sim: Simulation, steps: int) -> Simulation:
     """The steps after the traced ones. Each repeats the last traced step's allocations, on top of
     whatever that step left live beyond the one before it: garbage that only Python's cycle collector
-    frees (off while a step runs: memplan.trace._collector_off, as memplan.verify measures) is left by
+    frees (off while steps run: memplan.step.run_steps, traced or measured) is left by
     every step, so the later steps' peaks rise by that growth once per step."""
     ends = sim.step_end_bytes
     if len(ends) < 2 or steps <= len(ends):

@@ -466,7 +466,9 @@ def plan_checkpoints(
     worth_checking: Callable[[Plan], bool] = lambda plan: True,
 ) -> PlanResult:
     """The cheapest plan (by the solver `method`) whose re-estimated peak fits `budget_bytes`.
-    The result's plan has feasible=False, with the smallest peak reached, when none fits. Plans are
+    The result's plan has feasible=False, with the smallest peak reached, when none fits. `gpu`: the
+    card whose library workspaces the estimator counts; recomputation is priced on `processor` (a name
+    or a memplan.timing.TimeModel), else on `gpu`, else on what `device` runs on. Plans are
     searched by replay and checked by the estimator (memplan.closed_loop.verified_search); every
     baseline that fits by replay is a candidate too. `time_limit_s`: once past it, the search stops
     bisecting and searches no further (the plan found is still checked); None: no limit. `cache`: the

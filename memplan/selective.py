@@ -300,8 +300,9 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
         )
 
     eligible = [c for c in calls if not c.excluded and (c.seconds > 0 or c.flops > 0)]
-    # the block's own outputs: kept anyway, where keeping them saves what the objective counts
-    free = [c for c in eligible if c.held_bytes == 0 and (c.seconds if objective == "seconds" else c.flops) > 0]
+    # the block's own outputs: kept anyway (no bytes, no FLOPs), unless keeping one costs time (a CPU's
+    # dispatch of the kept output exceeding its recomputation) where time is the objective
+    free = [c for c in eligible if c.held_bytes == 0 and (objective == "flops" or c.seconds > 0)]
     priced = [c for c in eligible if c.held_bytes > 0]
     # the grid: 1/GRID of the transient, coarser where the kept bytes that shrink no transient dwarf it (a
     # sub-block that recreates little, as a norm): the table has a cell per quantum of those too

@@ -18,6 +18,7 @@ through a callback so that the caller can measure or tag what happens in between
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -287,6 +288,21 @@ def _tf32(enabled: bool) -> Iterator[None]:
 PhaseCallback = Callable[[str, int], None]
 
 
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """Python's cycle collector off while steps run (run_steps: the tracer's and the verifier's alike): a
+    tensor only a reference cycle holds (a torch.distributions object's loc and scale, say) then lives
+    to the end of the run in both, and no collection at a moment that depends on other Python
+    allocations (the tracer's own, the profiler's) frees it early in one of them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def default_autocast(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, dtype=dtype)
 
@@ -307,12 +323,12 @@ def run_steps(
     """Run `config.steps` training steps whose updates were applied. `on_phase(phase, step)` is called as
     each phase begins ("forward", "backward", "optimizer") and with ("end", step) when a step is over; a
     step whose update the GradScaler skipped runs again under the same number. Returns how many ran
-    again (at most MAX_SKIPPED_UPDATES)."""
+    again (at most MAX_SKIPPED_UPDATES). The steps run with the cycle collector off (collector_off)."""
     precision = precision_rule(config.precision)
     model, scaler = prepared.model, prepared.scaler
     device_type = prepared.device.type
     step = skipped = 0
-    with _tf32(precision.tf32):
+    with _tf32(precision.tf32), collector_off():
         while step < config.steps:
             for _ in range(config.grad_accum):
                 on_phase("forward", step)

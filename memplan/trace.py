@@ -1172,8 +1172,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             with rules.function_mode(), _fake_tensors_unseen(), _fake_scalars_format_as_values(), \
                     _fake_tensors_to_numpy(recorder), _SavedWrappedNumbers(recorder), _InPlaceScopes(recorder), \
                     _Rewrites(), recorder, _module_scopes(recorder, prepared.model, calls), \
-                    torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved), \
-                    _collector_off():
+                    torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:
             if hasattr(rules.autocast, "close"):
@@ -1191,21 +1190,6 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         approximate_ops=tuple(dict.fromkeys(recorder.approximate)),
         saved_tensors=dict(recorder.saved_tensors),
     )
-
-
-@contextlib.contextmanager
-def _collector_off() -> Iterator[None]:
-    """The step runs with Python's cycle collector off, as memplan.verify measures it: a tensor that
-    only a reference cycle holds (a torch.distributions object's loc and scale, say) then lives to the
-    end of the run in both, where a collection at a moment that depends on the tracer's own Python
-    allocations would free it early in the trace alone."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _cut_after_last_step(events: tuple[Event, ...]) -> tuple[Event, ...]:

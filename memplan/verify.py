@@ -37,7 +37,7 @@ from torch._C._profiler import _EventType
 from memplan.cpu_profiler import quiet_stderr
 from memplan.errors import BadInput, MemplanError
 from memplan.plan import Plan
-from memplan.step import PHASES, PreparedStep, StepConfig, optimizer_rule, prepare_step, run_steps
+from memplan.step import PHASES, PreparedStep, StepConfig, collector_off, optimizer_rule, prepare_step, run_steps
 from memplan.workload import Workload, same_model
 
 SEED = 0
@@ -476,23 +476,20 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
     oom_error: BaseException | None = None
     skipped = 0
     profiler = torch.autograd.profiler.profile(use_kineto=True, use_cpu=True, profile_memory=True)
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # no collection at a random moment: the same run frees at the same moments
     try:
-        with quiet_stderr():
-            profiler.__enter__()
-        try:
-            skipped = run_steps(prepared, config, on_phase)
-        except (RuntimeError, MemoryError) as error:
-            if not _is_cpu_oom(error):
-                raise
-            oom_error = error.with_traceback(None)  # the traceback would keep the step's tensors alive
-        finally:
+        with collector_off():  # as run_steps does, from before the profiler starts until it stops
             with quiet_stderr():
-                profiler.__exit__(None, None, None)
+                profiler.__enter__()
+            try:
+                skipped = run_steps(prepared, config, on_phase)
+            except (RuntimeError, MemoryError) as error:
+                if not _is_cpu_oom(error):
+                    raise
+                oom_error = error.with_traceback(None)  # the traceback would keep the step's tensors alive
+            finally:
+                with quiet_stderr():
+                    profiler.__exit__(None, None, None)
     finally:
-        if gc_was_enabled:
-            gc.enable()
         del prepared
     peaks, overall = _cpu_timeline(profiler.kineto_results, baseline)
     return _result("cpu", "cpu", config, peaks, baseline, overall, tracker, oom_error, plan, skipped_updates=skipped)
