@@ -226,16 +226,11 @@ def _in_place_summand(trace: Trace, events: Sequence[Event], position: int) -> i
         candidate = events[later]
         if candidate.kind == "scratch" and candidate.op == event.op:
             continue  # the sum's own scratch (SDPA's add converting its mask): while it runs
-        if candidate.kind != "free" or not _no_op_between(trace, event.op, candidate.op):
+        if candidate.kind != "free" or candidate.op != event.op:
             return None  # only frees that happen before the next op runs
         if candidate.storage in op.reads and trace.storages[candidate.storage].nbytes == size:
             return later
     return None
-
-
-def _no_op_between(trace: Trace, op: int, later: int) -> bool:
-    """Whether nothing but queries (prim.device, ...) ran after `op` up to `later`: the same moment."""
-    return op <= later and all(trace.ops[i].name.startswith("prim.") for i in range(op + 1, later + 1))
 
 
 def _thread(phase: str) -> str:

@@ -68,7 +68,7 @@ def candidate_blocks(
     calls_per_path = forward_calls_per_path(trace)
     seen: set[str] = set()
     first_calls = []
-    for call in sorted(first_forward, key=lambda c: (c.first_op, -c.end_op)):  # enclosing calls first
+    for call in sorted(first_forward, key=lambda c: c.opened):  # enclosing calls first
         if call.path not in seen:
             seen.add(call.path)
             first_calls.append(call)
@@ -83,7 +83,7 @@ def candidate_blocks(
         if c.path and "." not in c.path and c not in in_containers
         and not any(b.path.startswith(c.path + ".") for b in in_containers)
     ]
-    chosen = sorted(in_containers + top_level, key=lambda c: (c.first_op, -c.end_op))
+    chosen = sorted(in_containers + top_level, key=lambda c: c.opened)
     outermost = []
     for call in chosen:  # sorted by first op: an enclosing block comes before what it contains
         if not any(call.path.startswith(kept.path + ".") for kept in outermost):
@@ -146,8 +146,8 @@ def nested_candidates(
     calls_per_path = forward_calls_per_path(trace)
     inside = sorted(
         (c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path
-         and root.first_op <= c.first_op and c.end_op <= root.end_op and calls_per_path[c.path] <= passes),
-        key=lambda c: (c.first_op, -c.end_op),
+         and root.opened < c.opened and c.closed < root.closed and calls_per_path[c.path] <= passes),
+        key=lambda c: c.opened,
     )
     writers = in_place_writers(trace) if writers is None else writers
     unsafe = {c.path: unsafe_reason(trace, writers, c, root.end_op) for c in inside}
@@ -178,9 +178,9 @@ def nested_candidates(
         kept = {sid for sid in head.inputs if trace.storages[sid].role not in ("weights", "inputs", "activations")}
         span = Span(first, last, sum(block_bytes(trace.storages[sid].nbytes) for sid in kept), paths,
                     allocated - activation_bytes(outputs))
-        # two modules covering the same units (a wrapper and its only child): keep the one that frees more
-        if (first, last) not in spans or spans[(first, last)].saved_bytes - spans[(first, last)].input_bytes \
-                < span.saved_bytes - span.input_bytes:
+        # segments covering the same units (a wrapper and its only child, a module and the run of all its
+        # children): keep the one that frees more; on a tie, one module over a run, the outer over the inner
+        if (first, last) not in spans or _preference(spans[(first, last)]) < _preference(span):
             spans[(first, last)] = span
 
     def visit(call: ModuleCall, calls: list[ModuleCall]) -> tuple[int, int]:
@@ -191,7 +191,7 @@ def nested_candidates(
         while index < len(calls):
             child = calls[index]
             end = index + 1
-            while end < len(calls) and calls[end].end_op <= child.end_op:
+            while end < len(calls) and calls[end].closed < child.closed:
                 end += 1
             children.append(child)
             ranges.append(visit(child, calls[index + 1 : end]))
@@ -212,6 +212,10 @@ def nested_candidates(
 
     visit(root, inside)
     return NestedCandidates(tuple(leaves), tuple(sorted(spans.values(), key=lambda s: (s.first, s.last))))
+
+
+def _preference(span: Span) -> tuple[int, int, int]:
+    return span.saved_bytes - span.input_bytes, -len(span.paths), -len(span.paths[0])
 
 
 def sibling_positions(trace: Trace) -> dict[str, int]:
@@ -382,7 +386,7 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
         last_read[sid] = index - 1
 
     unit = [-1] * n  # the innermost submodule call running each forward op (-1: outside all of them)
-    calls = sorted((c for c in trace.calls if c.phase == "forward" and c.path), key=lambda c: (c.first_op, -c.end_op))
+    calls = sorted((c for c in trace.calls if c.phase == "forward" and c.path), key=lambda c: c.opened)
     for number, call in enumerate(calls):
         unit[call.first_op : call.end_op] = [number] * (call.end_op - call.first_op)
     # each call's first read, after forward, of a tensor it made that nothing outside it sees (not its

@@ -415,7 +415,7 @@ class _Safety:
 def _child_calls(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
     """The module calls directly inside `call` (one level down the call nesting), in order."""
     inside = sorted((c for c in trace.calls if c.phase == "forward" and c.step == call.step and c.path != call.path
-                     and call.first_op <= c.first_op < c.end_op <= call.end_op), key=lambda c: (c.first_op, -c.end_op))
+                     and call.first_op <= c.first_op < c.end_op <= call.end_op), key=lambda c: c.opened)
     children: list[ModuleCall] = []
     for c in inside:
         if not children or c.first_op >= children[-1].end_op:

@@ -33,9 +33,6 @@ DEFAULT_GPU = "h100"  # matches memplan.devices.DEFAULT_COMPUTE_CAPABILITY
 CPU_NAME = "cpu"
 # ops the runtime's selective-checkpoint policy never sees (detach, ...)
 POLICY_BLIND = frozenset(str(op) for op in SAC_IGNORED_OPS)
-# metadata queries (prim.device, aten.sym_size, ...): the tracer sees them because fake tensors are a
-# tensor subclass, but a plain tensor answers them in C++ without a dispatch, so they cost nothing
-METADATA_QUERIES = POLICY_BLIND - {"aten.detach.default"}
 # ops that hand out memory without writing it (dropout's mask is made by empty_like, then bernoulli_)
 UNINITIALISED = frozenset({
     "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
@@ -145,8 +142,6 @@ def output_bytes(trace: Trace, op: Op) -> int:
 
 
 def op_seconds(op: Op, trace: Trace, model: TimeModel) -> float:
-    if op.name in METADATA_QUERIES:
-        return 0.0
     variant = f"{op.name}[{op.variant}]"  # "aten.gelu.default[tanh]"; priced as the op where not measured
     priced_as = variant if op.variant and variant in model.seconds_per_output_byte else op.name
     return model.seconds(op.flops, bytes_moved(trace, op), priced_as, output_bytes(trace, op))

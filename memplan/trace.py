@@ -34,6 +34,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -47,6 +48,10 @@ ROLES = ("weights", "gradients", "optimizer_state", "activations", "temporaries"
 # known where the operands' are (nonzero's: every index of its input, in order), and the estimate is
 # marked approximate, naming the op. bincount, the one exception to the upper bound, takes `minlength`
 # bins (or one per element without it).
+# Metadata queries (prim.device, aten.size, ...): a fake tensor, being a tensor subclass, sends them through
+# the mode where a plain tensor answers them in C++. They allocate and compute nothing, and torch's selective
+# checkpointing ignores them too, so they are answered and not recorded (two in three dispatches of a step).
+_METADATA_QUERIES = SAC_IGNORED_OPS - {torch.ops.aten.detach.default}
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
                    torch.ops.aten.bincount.default}
 # Elements of a traced tensor whose values the recorder keeps (integer and bool tensors only)
@@ -192,6 +197,11 @@ class ModuleCall:
     # must be handed this output itself, not a part of it (`x = layer(x)[0]`)
     first_argument: int = 0
     output_object: int = 0
+    # when its forward pre-hook and forward hook ran, counted over all module hooks of the trace: one call
+    # is inside another exactly when it opens after and closes before it (op ranges cannot tell where a
+    # call that runs no op belongs: an identity Dropout right after its sibling, a wrapper and its child)
+    opened: int = 0
+    closed: int = 0
 
 
 @dataclass(frozen=True)
@@ -366,6 +376,8 @@ class _Recorder(TorchDispatchMode):
     # -- ops --------------------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _METADATA_QUERIES:
+            return func(*args, **(kwargs or {}))  # allocate, compute and free nothing: not an op of the step
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(args[0])
@@ -532,7 +544,8 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
 def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall]) -> Iterator[None]:
     """Track which submodule is running (global hooks: they also see recomputation in backward)."""
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    open_calls: list[tuple[str, int, tuple[int, ...]]] = []
+    open_calls: list[tuple[str, int, tuple[int, ...], int]] = []
+    hooks_run = itertools.count()
 
     def tensor_ids(value: Any) -> tuple[int, ...]:
         return tuple(
@@ -557,13 +570,13 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         path = paths.get(id(module))
         if path is not None:
             recorder.module_stack.append(path)
-            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs))))
+            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run)))
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None and open_calls and open_calls[-1][0] == path:
             recorder.module_stack.pop()
-            _, first, inputs = open_calls.pop()
+            _, first, inputs, opened = open_calls.pop()
             # global pre-hooks get no keyword arguments: the tensors passed by keyword (an attention
             # mask, encoder states) are added here, after the positional ones
             inputs = inputs + tuple(sid for sid in tensor_ids(kwargs) if sid not in inputs)
@@ -571,6 +584,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
                 ModuleCall(
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
                     tensor_ids(output), arguments(args, kwargs), id(args[0]) if args else 0, id(output),
+                    opened, next(hooks_run),
                 )
             )
 

@@ -412,6 +412,19 @@ def test_a_run_needs_each_member_handed_the_whole_output_of_the_one_before():
     assert abs(measured - plan.predicted_peak_bytes) <= 1e-4 * measured
 
 
+def test_a_call_that_runs_no_op_nests_where_it_was_called():
+    """nn.Identity runs no op, so its op range [n, n) fits inside the Linear before it as well as after
+    it: the module hooks' order places it, a sibling that a run of all three may cover; and a wrapper with
+    the same op range as its only child (the inner Sequential) still encloses it."""
+    model = lambda batch_size=8: (nn.Sequential(nn.Sequential(nn.Linear(16, 16)), nn.Identity(), nn.ReLU(), nn.Linear(16, 1)),
+                                  (torch.randn(batch_size, 16),))
+    _, trace = estimate_and_trace(Workload("identity", model, None, {}), CONFIG, device="cpu")
+    nested, spans = _spans_by_paths(trace)
+    assert ("0", "1", "2") in spans and ("1", "2") in spans
+    assert [leaf.path for leaf in nested.leaves] == ["0.0", "1", "2", "3"]
+    assert spans[("0",)].first == spans[("0",)].last == 0  # the wrapper, preferred to its child
+
+
 def test_nested_candidates_reach_every_depth_and_cover_exactly_their_modules():
     _, trace = estimate_and_trace(_gpt(4), CONFIG, device="cpu")
     nested, spans = _spans_by_paths(trace)
