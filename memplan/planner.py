@@ -174,7 +174,8 @@ def nested_candidates(
         if first > last:
             return
         allocated = allocated_before[tail.end_op] - allocated_before[head.first_op]
-        outputs = {sid for sid in tail.outputs if head.first_op <= (trace.storages[sid].allocated_by or -1) < tail.end_op}
+        made_by = {sid: trace.storages[sid].allocated_by for sid in tail.outputs}
+        outputs = {sid for sid, op in made_by.items() if op is not None and head.first_op <= op < tail.end_op}
         kept = {sid for sid in head.inputs if trace.storages[sid].role not in ("weights", "inputs", "activations")}
         span = Span(first, last, sum(block_bytes(trace.storages[sid].nbytes) for sid in kept), paths,
                     allocated - activation_bytes(outputs))

@@ -425,6 +425,17 @@ def test_a_call_that_runs_no_op_nests_where_it_was_called():
     assert spans[("0",)].first == spans[("0",)].last == 0  # the wrapper, preferred to its child
 
 
+def test_a_segment_frees_nothing_of_its_output_made_by_the_steps_first_op():
+    """The embedding's lookup is op 0 of the step: a segment of it alone frees nothing, since its output
+    is the Linear's saved input either way (op 0 once read as "made by no op")."""
+    model = lambda batch_size=8: (nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 1)),
+                                  (torch.randint(0, 32, (batch_size, 4)),))
+    _, trace = estimate_and_trace(Workload("lookup", model, None, {}), CONFIG, device="cpu")
+    _, spans = _spans_by_paths(trace)
+    assert trace.ops[0].name == "aten.embedding.default"
+    assert spans[("0",)].saved_bytes == 0
+
+
 def test_nested_candidates_reach_every_depth_and_cover_exactly_their_modules():
     _, trace = estimate_and_trace(_gpt(4), CONFIG, device="cpu")
     nested, spans = _spans_by_paths(trace)
