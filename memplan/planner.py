@@ -85,7 +85,7 @@ def candidate_blocks(
     ]
     chosen = sorted(in_containers + top_level, key=lambda c: c.opened)
     outermost = []
-    for call in chosen:  # sorted by first op: an enclosing block comes before what it contains
+    for call in chosen:  # in the order they open: an enclosing block comes before what it contains
         if not any(call.path.startswith(kept.path + ".") for kept in outermost):
             outermost.append(call)
 

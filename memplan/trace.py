@@ -43,15 +43,16 @@ from memplan.workload import Workload
 
 ROLES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
 
+# Metadata queries (prim.device, aten.size, ...): a fake tensor, being a tensor subclass, sends them through
+# the mode where a plain tensor answers them in C++. They allocate and compute nothing, and torch's selective
+# checkpointing ignores them too, so they are answered and not recorded (two in three dispatches of a step).
+_METADATA_QUERIES = SAC_IGNORED_OPS - {torch.ops.aten.detach.default}
+
 # Ops whose output shape depends on data. Exact where their operands' values are known (see
 # `_Recorder.known`); otherwise every element is selected (an upper bound), the selection's values are
 # known where the operands' are (nonzero's: every index of its input, in order), and the estimate is
 # marked approximate, naming the op. bincount, the one exception to the upper bound, takes `minlength`
 # bins (or one per element without it).
-# Metadata queries (prim.device, aten.size, ...): a fake tensor, being a tensor subclass, sends them through
-# the mode where a plain tensor answers them in C++. They allocate and compute nothing, and torch's selective
-# checkpointing ignores them too, so they are answered and not recorded (two in three dispatches of a step).
-_METADATA_QUERIES = SAC_IGNORED_OPS - {torch.ops.aten.detach.default}
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
                    torch.ops.aten.bincount.default}
 # Elements of a traced tensor whose values the recorder keeps (integer and bool tensors only)
