@@ -41,7 +41,7 @@ from memplan.cpu_calibration import measure_cpu_model
 from memplan.plan import Segment
 from memplan.selective import plan_selective
 from memplan.step import StepConfig
-from memplan.timing import CPU, METADATA_QUERIES, bytes_moved, output_bytes, plan_checkpoint_seconds
+from memplan.timing import CPU, bytes_moved, output_bytes, plan_checkpoint_seconds
 
 TERMS = ("matmul", "element-wise", "dispatch", "hooks", "policy")
 
@@ -50,7 +50,7 @@ def modelled_terms(trace, model) -> np.ndarray:
     """Step 0's modelled seconds by term: FLOPs, element-wise bytes, host dispatch (memplan.timing.op_seconds)."""
     terms = np.zeros(3)
     for op in trace.ops:
-        if op.step != 0 or op.name in METADATA_QUERIES:
+        if op.step != 0:
             continue
         variant = f"{op.name}[{op.variant}]"
         key = variant if op.variant and variant in model.seconds_per_output_byte else op.name

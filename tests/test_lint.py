@@ -12,3 +12,11 @@ def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     result = subprocess.run([ruff, "check", "--quiet", str(ROOT)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_benchmark_starts():
+    """Each benchmark imports what it names from memplan (no test runs them: they take minutes)."""
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                                check=False, cwd=ROOT)
+        assert result.returncode == 0, f"{script.name}: {result.stderr.strip().splitlines()[-1:]}"
