@@ -21,6 +21,10 @@ numbers, created before the op is dispatched: the rules count them with the op).
             the trace's live bytes against the real run's, op by op: where a tracer issue begins
     python benchmarks/scratch_calibration.py sweep:pointwise [--threads N]
             every pointwise aten op over dtype combinations (wrapped numbers, promotion copies)
+    python benchmarks/scratch_calibration.py sweep:opinfo [--grad] [--threads N]
+            every op of PyTorch's OpInfo database (torch.testing; needs `pip install expecttest`), its
+            first 4 sample inputs in float32 and bfloat16 (--grad: and their backward): each aten op
+            they dispatch, grouped by (op, dtypes), where the rule and the allocator disagree
 
 MODELS are zoo names (tiny sizes, batch 2), comma-separated. By default ops are grouped by (op,
 shapes, dtypes) and only groups whose extra differs from the rule, or whose net differs from out,
@@ -318,11 +322,15 @@ def main() -> None:
     parser.add_argument("--each", action="store_true", help="print every op call")
     parser.add_argument("--events", metavar="OP", help="also print the allocator events inside ops named like OP")
     parser.add_argument("--diff", action="store_true", help="the trace's live bytes against the real run's")
+    parser.add_argument("--grad", action="store_true", help="sweep:opinfo: run each sample's backward too")
     options = parser.parse_args()
     if options.threads:
         torch.set_num_threads(options.threads)
     if options.models == "sweep:pointwise":
         print(f"{sweep(_pointwise_ops())} mismatches")
+        return
+    if options.models == "sweep:opinfo":
+        print(f"{sweep_opinfo(options.grad)} (op, dtypes) groups disagree")
         return
     for name in options.models.split(","):
         for precision in options.precisions.split(","):
@@ -437,6 +445,62 @@ def sweep(ops: list[Any]) -> int:
                 print(f"{op!s:40s} {' '.join(described):60s} measured {measured.extra:6d} rule {predicted:6d}  "
                       f"events {' '.join(f'{n:+d}' for n in measured.events)}")
     return mismatches
+
+
+def sweep_opinfo(grad: bool, samples_per_dtype: int = 4) -> int:
+    """Run the samples of every OpInfo (torch/testing/_internal/common_methods_invocations.py) under the
+    Probe; print each (aten op, dtypes) group with a call whose scratch the rule does not give, with the
+    OpInfos that reached it and the first such call's events."""
+    import warnings
+
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    warnings.filterwarnings("ignore")
+    disagree: dict[tuple[str, str], list[tuple[str, OpCall]]] = defaultdict(list)
+    failed = 0  # samples that raise on this build (or are meant to)
+    for info in op_db:
+        for dtype in (torch.float32, torch.bfloat16):
+            if dtype not in info.supported_dtypes("cpu"):
+                continue
+            samples = []
+            try:
+                samples = list(info.sample_inputs("cpu", dtype, requires_grad=grad and info.supports_autograd))
+            except Exception:  # noqa: BLE001 - a sample generator this build cannot run
+                failed += 1
+            probe = Probe()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                for sample in samples[:samples_per_dtype]:
+                    with probe:
+                        try:
+                            _run_sample(info, sample, grad)
+                        except Exception:  # noqa: BLE001
+                            failed += 1
+            try:
+                attribute(prof, probe.calls)
+                probe.evaluate_rules()
+            except Exception as error:  # noqa: BLE001
+                print(f"skipped {info.name} {dtype}: {type(error).__name__}: {error}")
+                continue
+            for call in probe.calls:
+                if call.extra != (call.rule or 0):
+                    disagree[(str(call.func), call.dtypes)].append((info.name, call))
+    print(f"{failed} samples or sample generators raised")
+    print(f"{'op':52s} {'dtypes':22s} {'calls':>5s} {'extra':>8s} {'rule':>8s}  first call: shapes; OpInfos")
+    for (func, dtypes), found in sorted(disagree.items()):
+        call = found[0][1]
+        infos = ",".join(sorted({n for n, _ in found}))
+        print(f"{func:52s} {dtypes:22s} {len(found):5d} {call.extra:8d} {call.rule or 0:8d}  {call.shapes[:40]}; {infos[:60]}")
+        print(f"{'':52s} events {' '.join(f'{n:+d}' for n in call.events[:12])}")
+    return len(disagree)
+
+
+def _run_sample(info: Any, sample: Any, grad: bool) -> None:
+    out = info.op(sample.input, *sample.args, **sample.kwargs)
+    if not grad:
+        return
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    if outs:
+        torch.autograd.backward([(o.abs() if o.is_complex() else o.float()).sum() for o in outs])
 
 
 if __name__ == "__main__":

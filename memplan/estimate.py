@@ -193,9 +193,10 @@ def simulate(trace: Trace, device: DeviceModel, with_timeline: bool = False) -> 
 
 
 def eager_events(trace: Trace) -> list[Event]:
-    """The events in eager order. Where the trace has an out-of-place sum `old + new` that eager
-    PyTorch does in place (Op.accumulates_in_place) and `old` is freed right after it, eager added
-    into `old`: replay that free before the sum's allocation, so the two never count at once."""
+    """The events in eager order. Where the trace has an out-of-place op into `old` (a sum `old + new`,
+    a backward scatter into fresh zeros) that eager PyTorch does in place (Op.accumulates_in_place)
+    and `old` is freed right after it, eager wrote into `old`: replay that free before the op's
+    allocation, so the two never count at once."""
     return _replay_in_place_sums(trace)[0]
 
 
@@ -228,8 +229,8 @@ def _in_place_summand(trace: Trace, events: Sequence[Event], position: int) -> i
             continue  # the sum's own scratch (SDPA's add converting its mask): while it runs
         if candidate.kind != "free" or candidate.op != event.op:
             return None  # only frees that happen before the next op runs
-        if candidate.storage in op.reads and trace.storages[candidate.storage].nbytes == size:
-            return later
+        if candidate.storage == op.reads[0] and trace.storages[candidate.storage].nbytes == size:
+            return later  # the first operand, which eager writes into
     return None
 
 

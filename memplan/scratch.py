@@ -14,7 +14,9 @@ Rules for the "cpu" device, of three kinds:
   whose dtype differs from the computation dtype (pointwise ops).
 * Formulas read off PyTorch's own CPU kernels (each cites its file and function): reductions,
   batch norm, layer norm backward, flash attention, softmax, embedding backward, upsampling, dropout,
-  foreach ops.
+  foreach ops, float32 matmuls' clones of layouts BLAS cannot read, sorting and selection,
+  scatter/gather, logsumexp, binary cross-entropy with logits, FFTs (MKL). Ops still without a rule
+  are listed by `benchmarks/scratch_calibration.py sweep:opinfo` (PyTorch's OpInfo samples).
 * oneDNN: convolutions, bf16/fp16 matmuls and nn.LSTM run through oneDNN (ideep), whose reorders and
   scratchpad come from the same CPU allocator. Their sizes are chosen inside oneDNN by implementation
   dispatch and blocking heuristics that depend on the CPU's ISA and cache sizes, the thread count and
@@ -31,6 +33,7 @@ cuBLAS-Lt workspaces are chosen at run time and are left to the device model.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
 from collections.abc import Callable
@@ -313,15 +316,61 @@ def _reduced_precision_matmul(func: Any) -> ScratchFormula:
     """bfloat16/float16 matmuls go to oneDNN (aten/src/ATen/native/LinearAlgebra.cpp addmm_impl_cpu_
     and bmm_out_or_baddbmm_ -> use_mkldnn_matmul -> mkldnn/Matmul.cpp mkldnn_matmul, whose ideep
     matmul allocates its scratchpad on each call); float32 goes to BLAS (MKL), whose buffers do not
-    come from PyTorch's allocator."""
+    come from PyTorch's allocator, through a contiguous clone of each matrix whose layout BLAS cannot
+    take (_blas_clones)."""
 
     def formula(args: tuple, kwargs: dict, out: Any) -> int:
         dtypes = {t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         if not dtypes & set(_REDUCED):
-            return _generic_cpu(func, args, kwargs, out)
+            return _generic_cpu(func, args, kwargs, out) + _blas_clones(func, args, out)
         return probe_scratch(func, args, kwargs)
 
     return formula
+
+
+def _blas_ready(matrix: torch.Tensor) -> bool:
+    """LinearAlgebra.cpp addmm_impl_cpu_: a matrix BLAS takes as it is, row- or column-major with a
+    leading dimension at least its width (or height)."""
+    rows, cols = matrix.shape
+    row_stride, col_stride = matrix.stride()
+    return (col_stride == 1 and row_stride >= max(1, cols)) or (row_stride == 1 and col_stride >= max(1, rows))
+
+
+def _batch_items_ready(batch: torch.Tensor) -> bool:
+    """LinearAlgebra.cpp batch_items_contiguous_or_transposed (a size-1 dimension's stride is free)."""
+    _, rows, cols = batch.shape
+    _, row_stride, col_stride = batch.stride()
+    return (col_stride == 1 and (rows == 1 or row_stride >= cols)) or (row_stride == 1 and (cols == 1 or col_stride >= rows))
+
+
+def _clone_bytes(matrices: tuple[torch.Tensor, ...]) -> int:
+    return sum(m.numel() * _itemsize(m.dtype) for m in matrices if not _blas_ready(m))
+
+
+def _blas_clones(func: Any, args: tuple, out: Any) -> int:
+    """Bytes of the contiguous clones addmm_impl_cpu_ takes of the matrices BLAS cannot read as they are
+    (an expanded gradient, a strided slice): mm/addmm once; bmm/baddbmm per batch item (one item at
+    a time), where an item is neither contiguous nor transposed and the product is not so small that a
+    plain loop runs it (contraction * rows * cols < 400); mv/addmv the matrix (addmv_impl_cpu)."""
+    if func is aten.mm.default:
+        first, second = args[0], args[1]
+    elif func in (aten.addmm.default, aten._addmm_activation.default):
+        first, second = args[1], args[2]
+    elif func in (aten.mv.default, aten.addmv.default):
+        matrix = args[0] if func is aten.mv.default else args[1]
+        return 0 if out.numel() == 0 or matrix.numel() == 0 else _clone_bytes((matrix,))
+    elif func in (aten.bmm.default, aten.baddbmm.default):
+        first, second = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
+        if 0 in (out.numel(), first.shape[2]) or first.shape[2] * first.shape[1] * second.shape[2] < 400:
+            return 0
+        if _batch_items_ready(first) and _batch_items_ready(second):
+            return 0
+        return _clone_bytes((first[0], second[0]))
+    else:
+        return 0
+    if 0 in (out.numel(), first.numel(), second.numel()):
+        return 0
+    return _clone_bytes((first, second))
 
 
 for _op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
@@ -531,27 +580,44 @@ def _reduction_input_copy(self: torch.Tensor, in_dtype: torch.dtype) -> int:
     return 0 if self.dtype == in_dtype else self.numel() * _itemsize(in_dtype)
 
 
+# at::internal::GRAIN_SIZE: the fewest elements a CPU kernel splits between threads
+_GRAIN_SIZE = 32768
+
+
+def _two_pass_buffer(numel: int, out: torch.Tensor, dtype: torch.dtype) -> int:
+    """aten/src/ATen/TensorIteratorReduce.cpp parallel_reduce: reducing GRAIN_SIZE elements or more to
+    one, on more than one thread, runs two_pass_reduction, which keeps one partial result per thread in
+    `at::empty({max_threads}, dst.options())` (dst: the reduction's output, in `dtype`)."""
+    threads = torch.get_num_threads()
+    if numel < _GRAIN_SIZE or threads == 1 or out.numel() != 1:
+        return 0
+    return threads * _itemsize(dtype)
+
+
 @scratch_rule("cpu", aten.sum.dim_IntList, aten.sum.default, aten.nansum.default, aten.prod.default,
               aten.prod.dim_int)
 def _sum(args: tuple, kwargs: dict, out: Any) -> int:
     """ReduceOps.cpp sum_out/nansum_out/prod_out -> make_reduction_from_out_ty(self, result, ...,
-    result.scalar_type()): the only scratch is the input's copy in the output dtype (a bf16 tensor
-    summed with dtype=float32, a bool mask summed into int64)."""
-    return _reduction_input_copy(args[0], out.dtype)
+    result.scalar_type()): the input's copy in the output dtype (a bf16 tensor summed with
+    dtype=float32, a bool mask summed into int64), and the two-pass buffer of a reduction to one
+    element."""
+    return _reduction_input_copy(args[0], out.dtype) + _two_pass_buffer(args[0].numel(), out, out.dtype)
 
 
 @scratch_rule("cpu", aten.mean.dim, aten.mean.default)
 def _mean(args: tuple, kwargs: dict, out: Any) -> int:
     """ReduceOps.cpp TORCH_IMPL_FUNC(mean_out), CPU branch: bf16/fp16 results are computed in a
     float32 `result_temp = result.to(kFloat)`; `at::sum_out(result_temp, self, ..., sum_out_dtype)`
-    copies the input to that dtype if it differs (freed when the sum is done); then
-    `.div_(dim_prod)` divides by a wrapped int64, which TensorIterator converts to the sum dtype."""
+    copies the input to that dtype if it differs (freed when the sum is done, with the two-pass
+    buffer of a reduction to one element); then `.div_(dim_prod)` divides by a wrapped int64, which
+    TensorIterator converts to the sum dtype."""
     self = args[0]
     half = out.dtype in _REDUCED
     sum_dtype = torch.float32 if half else out.dtype
     temp = out.numel() * 4 if half else 0
     divide = 8 + (0 if sum_dtype == torch.int64 else _itemsize(sum_dtype))
-    return temp + max(_reduction_input_copy(self, sum_dtype), divide)
+    summing = _reduction_input_copy(self, sum_dtype) + _two_pass_buffer(self.numel(), out, sum_dtype)
+    return temp + max(summing, divide)
 
 
 @scratch_rule("cpu", aten.all.default, aten.all.dim, aten.all.dims, aten.any.default, aten.any.dim,
@@ -901,31 +967,50 @@ def _native_dropout(args: tuple, kwargs: dict, out: Any) -> int:
     return max(x.numel() * size, 8 + (0 if x.dtype == torch.float64 else size))
 
 
-def _upsample_2d(interp_size: int) -> ScratchFormula:
-    """aten/src/ATen/native/cpu/UpSampleKernel.cpp upsample_{nearest,bilinear}2d_kernel_impl: with a
-    channels-last input of more than 3 channels, or an output with H + W <= 128
-    (_use_channels_last_kernel_2d), the channels-last kernel runs on `input_.contiguous(ChannelsLast)`
+def _channels_last_kernel_2d(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """UpSampleKernel.cpp _use_vectorized_kernel_cond_2d: a channels-last input of more than 3 channels,
+    or an output with H + W <= 128."""
+    return (x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 3) or out.shape[-2] + out.shape[-1] <= 128
+
+
+def _channels_last_kernel_3d(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """The 3-d kernels' condition on this build: a channels-last-3d input of more than 3 channels."""
+    return x.is_contiguous(memory_format=torch.channels_last_3d) and x.shape[1] > 3
+
+
+def _upsample(interp_size: int, spatial: int,
+              channels_last_kernel: Callable[[torch.Tensor, torch.Tensor], bool] | None = None) -> ScratchFormula:
+    """aten/src/ATen/native/cpu/UpSampleKernel.cpp upsample_*_kernel_impl over `spatial` dimensions.
+    Where `channels_last_kernel` holds, the channels-last kernel runs on `input_.contiguous(ChannelsLast)`
     into `output_.contiguous(ChannelsLast)` and copies back: a copy of each that is not channels-last
-    already. Otherwise upsample_non_separable_Nd_kernel_impl builds, per spatial dimension and
-    interpolation tap, an int64 index and a weight of the input dtype over the output size."""
+    already. Otherwise (always, for 1-d and bicubic) upsample_generic_Nd_kernel_impl builds, per
+    spatial dimension and interpolation tap, an int64 index and a weight of the input dtype over the
+    output size."""
+    layout = torch.channels_last if spatial == 2 else torch.channels_last_3d
 
     def formula(args: tuple, kwargs: dict, out: Any) -> int:
         x = args[0]
-        if x.dim() != 4:
+        if x.dim() != spatial + 2:
             return 0
-        channels_last = x.is_contiguous(memory_format=torch.channels_last)
-        if (channels_last and x.shape[1] > 3) or out.shape[-2] + out.shape[-1] <= 128:
-            copies = 0 if channels_last else x.numel() * _itemsize(x.dtype)
-            if not out.is_contiguous(memory_format=torch.channels_last):
+        if channels_last_kernel is not None and channels_last_kernel(x, out):
+            copies = 0 if x.is_contiguous(memory_format=layout) else x.numel() * _itemsize(x.dtype)
+            if not out.is_contiguous(memory_format=layout):
                 copies += out.numel() * _itemsize(out.dtype)
             return copies
-        return sum(interp_size * size * (8 + _itemsize(x.dtype)) for size in out.shape[-2:])
+        return sum(interp_size * size * (8 + _itemsize(x.dtype)) for size in out.shape[-spatial:])
 
     return formula
 
 
-scratch_rule("cpu", aten.upsample_nearest2d.default, aten._upsample_nearest_exact2d.default)(_upsample_2d(1))
-scratch_rule("cpu", aten.upsample_bilinear2d.default)(_upsample_2d(2))
+scratch_rule("cpu", aten.upsample_nearest1d.default, aten._upsample_nearest_exact1d.default)(_upsample(1, 1))
+scratch_rule("cpu", aten.upsample_linear1d.default)(_upsample(2, 1))
+scratch_rule("cpu", aten.upsample_nearest2d.default, aten._upsample_nearest_exact2d.default)(
+    _upsample(1, 2, _channels_last_kernel_2d))
+scratch_rule("cpu", aten.upsample_bilinear2d.default)(_upsample(2, 2, _channels_last_kernel_2d))
+scratch_rule("cpu", aten.upsample_bicubic2d.default)(_upsample(4, 2))
+scratch_rule("cpu", aten.upsample_nearest3d.default, aten._upsample_nearest_exact3d.default)(
+    _upsample(1, 3, _channels_last_kernel_3d))
+scratch_rule("cpu", aten.upsample_trilinear3d.default)(_upsample(2, 3, _channels_last_kernel_3d))
 
 # CPU foreach kernels for these ops run per tensor (ForeachOpsKernels.cpp
 # foreach_tensor_<op>_scalar_kernel_slow_: `t.<op>_(scalar)`), which wraps the Scalar like the
@@ -951,6 +1036,243 @@ for _name in _FOREACH_WRAPPING:
         for _overload in ("Scalar", "ScalarList"):
             if _overload in _packet.overloads():
                 scratch_rule("cpu", getattr(_packet, _overload))(_foreach_scalar)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sorting and selection, scatter/gather, losses (found by `benchmarks/scratch_calibration.py sweep:opinfo`)
+
+
+def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any) -> Any:
+    return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+def _peak(*events: int) -> int:
+    """The highest running total of a kernel's allocations (+) and frees (-), in order."""
+    running = peak = 0
+    for nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+@scratch_rule("cpu", aten.logsumexp.default)
+def _logsumexp(args: tuple, kwargs: dict, out: Any) -> int:
+    """ReduceOps.cpp logsumexp (integral inputs copied to the default dtype first) ->
+    logsumexp_out_impl: `maxes = at::amax(self, dims, true)`; `maxes.abs() == INFINITY` (the abs, a
+    wrapped double converted to the dtype, a bool result) for masked_fill_; then
+    `at::sum_out(result, (self - maxes).exp_(), ...)`: an input-sized difference, summed into the
+    result (allocated there) with the two-pass buffer of a reduction to one element."""
+    self = args[0]
+    if self.numel() == 0:
+        return 0
+    dtype = torch.get_default_dtype() if not (self.is_floating_point() or self.is_complex()) else self.dtype
+    size = _itemsize(dtype)
+    copy = 0 if dtype == self.dtype else self.numel() * size
+    maxes, result = out.numel() * size, out.numel() * _itemsize(out.dtype)
+    wrapped = 8 + (0 if dtype == torch.float64 else size)
+    masking = 2 * maxes + wrapped + out.numel()
+    summing = maxes + self.numel() * size + result + _two_pass_buffer(self.numel(), out, out.dtype)
+    return copy + max(masking, summing) - result
+
+
+def _sort(dim_position: int | None) -> ScratchFormula:
+    """Sorting.cpp sort_stable_out -> cpu/SortingKernel.cpp sort_kernel: `_fill_indices` writes each
+    position into the indices through an int64 `at::arange(dim_size)` (a 0-dim input zeroes them).
+    `dim_position`: the dim's position among the arguments, None where it is keyword-only."""
+
+    def formula(args: tuple, kwargs: dict, out: Any) -> int:
+        self = args[0]
+        dim = kwargs.get("dim", -1) if dim_position is None else _argument(args, kwargs, dim_position, "dim", -1)
+        return 0 if self.dim() == 0 else self.shape[dim] * 8
+
+    return formula
+
+
+scratch_rule("cpu", aten.sort.default)(_sort(1))
+scratch_rule("cpu", aten.sort.stable)(_sort(None))
+
+
+@scratch_rule("cpu", aten.kthvalue.default)
+def _kthvalue(args: tuple, kwargs: dict, out: Any) -> int:
+    """Sorting.cpp kthvalue_out_impl_cpu: selects in `self.clone(Contiguous)` with an int64 index of the
+    same shape (a 0-dim input is copied into the outputs instead)."""
+    self = args[0]
+    return 0 if self.dim() == 0 else self.numel() * (_itemsize(self.dtype) + 8)
+
+
+@scratch_rule("cpu", aten.dist.default)
+def _dist(args: tuple, kwargs: dict, out: Any) -> int:
+    """Distance.cpp dist: `at::norm(self - other, p)`: the difference, broadcast (the norm's kernel
+    allocates nothing more)."""
+    shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+    return math.prod(shape) * _itemsize(out.dtype)
+
+
+@scratch_rule("cpu", aten.binary_cross_entropy_with_logits.default)
+def _binary_cross_entropy_with_logits(args: tuple, kwargs: dict, out: Any) -> int:
+    """Loss.cpp binary_cross_entropy_with_logits: `log_sigmoid_input = at::log_sigmoid(input)`
+    (log_sigmoid_forward's CPU kernel also fills an input-sized buffer, freed on return); with
+    pos_weight, `log_weight = (pos_weight - 1).mul(target).add_(1)` (a wrapped 1 for each, converted)
+    multiplied into it; `loss = (1 - target).mul_(input).sub_(log_sigmoid_input)`; then the reduction
+    of the loss (the mean's or sum's own scratch), or the loss itself is the output."""
+    self, target = args[0], args[1]
+    pos_weight = _argument(args, kwargs, 3, "pos_weight", None)
+    reduction = _argument(args, kwargs, 4, "reduction", 1)  # at::Reduction::Mean
+    size = _itemsize(self.dtype)
+    wrapped = 8 + (0 if self.dtype == torch.float64 else size)
+    log_sigmoid = self.numel() * size
+    loss = target.numel() * _itemsize(target.dtype)  # `1 - target`, then multiplied in place
+    phases = [2 * log_sigmoid]
+    if pos_weight is not None:
+        minus_one = pos_weight.numel() * size
+        log_weight = math.prod(torch.broadcast_shapes(pos_weight.shape, target.shape)) * size
+        phases.append(log_sigmoid + minus_one + log_weight + wrapped)
+    if reduction == 0:  # none: the loss is the output
+        phases.append(log_sigmoid + loss)
+        return max(phases) - loss
+    reduce = _mean if reduction == 1 else _sum
+    result = out.numel() * _itemsize(out.dtype)
+    phases.append(log_sigmoid + loss + result + reduce((target,), {}, out))  # the loss is laid out as target
+    return max(phases) - result
+
+
+# aten/src/ATen/native/cpu/ScatterGatherKernel.cpp. cpu_scatter_gather_base_kernel converts an index
+# that is not int64 (`index.to(kLong)`) and, for a reduced-precision (bf16, fp16) result, works on a
+# float32 copy of it (create_acc_buffer: gather's output, scatter's self), copied back. The "expanded
+# index" fast paths (TensorAdvancedIndexingUtils.h can_use_expanded_index_path) take neither copy;
+# scatter_add's and scatter_reduce's accumulate reduced precision in a float32 (threads, K) buffer.
+_SCATTERS = (aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
+             aten.scatter_.src, aten.scatter_.value, aten.scatter_.reduce, aten.scatter_.value_reduce)
+_SCATTER_ADDS = (aten.scatter_add.default, aten.scatter_add_.default)
+_SCATTER_REDUCES = (aten.scatter_reduce.two, aten.scatter_reduce_.two)
+
+
+def _expanded_index_path(self: torch.Tensor, dim: int, index: torch.Tensor, src: Any, scatter_like: bool) -> bool:
+    """can_use_expanded_index_path (radix sort taken as available, as on x86 builds)."""
+    if not isinstance(src, torch.Tensor) or not self.is_floating_point() or self.dtype == torch.float16:
+        return False
+    if 0 in (self.numel(), index.numel(), src.numel()) or 0 in (self.dim(), index.dim(), src.dim()):
+        return False
+    if any(src.shape[d] != index.shape[d] for d in range(1, index.dim())):
+        return False
+    if scatter_like and index.numel() // index.shape[0] < 16:
+        return False
+    strides = index.stride()
+    expanded = strides[0] == 1 and all(stride <= 1 for stride in strides[1:])
+    return dim % self.dim() == 0 and expanded and src.is_contiguous() and self.is_contiguous()
+
+
+def _index_to_int64(index: torch.Tensor) -> int:
+    return 0 if index.dtype == torch.int64 else index.numel() * 8
+
+
+def _float_copy(result: torch.Tensor) -> int:
+    return result.numel() * 4 if result.dtype in _REDUCED else 0
+
+
+@scratch_rule("cpu", aten.gather.default)
+def _gather(args: tuple, kwargs: dict, out: Any) -> int:
+    self, dim, index = args[0], args[1], args[2]
+    if index.numel() == 0:
+        return 0
+    if _expanded_index_path(out, dim, index, self, scatter_like=False):
+        return _index_to_int64(index)
+    return _index_to_int64(index) + _float_copy(out)
+
+
+def _scatter(accumulates: bool) -> ScratchFormula:
+    def formula(args: tuple, kwargs: dict, out: Any) -> int:
+        self, dim, index = args[0], args[1], args[2]
+        src = args[3] if len(args) > 3 else kwargs.get("src")
+        if index.numel() == 0:
+            return 0
+        if accumulates and _expanded_index_path(self, dim, index, src, scatter_like=True):
+            buffer = torch.get_num_threads() * (index.numel() // index.shape[0]) * 4 if self.dtype in _REDUCED else 0
+            return _index_to_int64(index) + buffer
+        return _index_to_int64(index) + _float_copy(self)
+
+    return formula
+
+
+for _op in _SCATTERS:
+    scratch_rule("cpu", _op)(_scatter(accumulates=False))
+for _op in _SCATTER_ADDS:
+    scratch_rule("cpu", _op)(_scatter(accumulates=True))
+# "mean" also counts and divides, which is not modelled (its figure is a lower bound)
+for _op in _SCATTER_REDUCES:
+    scratch_rule("cpu", _op)(_scatter(accumulates=True))
+
+
+# FFTs through MKL (aten/src/ATen/native/mkl/SpectralOps.cpp, this build's CPU backend)
+
+
+def _merges(sizes: list[int], strides: list[int]) -> bool:
+    """Whether dimensions of these sizes and strides collapse into one without a copy (reshape's view)."""
+    kept = [(size, stride) for size, stride in zip(sizes, strides) if size != 1]
+    return all(outer[1] == inner[1] * inner[0] for outer, inner in itertools.pairwise(kept))
+
+
+def _exec_fft(shape: torch.Size, strides: tuple[int, ...], dims: list[int],
+              out_sizes: list[int]) -> tuple[bool, list[int]]:
+    """SpectralOps.cpp _exec_fft: the input is permuted (batch dimensions first, by decreasing stride,
+    then the transformed ones) and its batch dimensions collapsed by `reshape`, a copy unless they
+    merge; the output is computed contiguous in that order and strided back. (Copies the input?,
+    the output's strides.)"""
+    ndim = len(shape)
+    batch = sorted((d for d in range(ndim) if d not in dims), key=lambda d: -strides[d])
+    copies = not _merges([shape[d] for d in batch], [strides[d] for d in batch])
+    signal = [out_sizes[d] for d in dims]
+    signal_strides = list(make_contiguous_strides_for(signal)) if signal else []
+    out_strides = [0] * ndim
+    batch_numel = math.prod(signal)
+    for d in reversed(batch):
+        out_strides[d] = batch_numel
+        batch_numel *= out_sizes[d]
+    for d, stride in zip(dims, signal_strides):
+        out_strides[d] = stride
+    return copies, out_strides
+
+
+def _fft_input_copy(x: torch.Tensor, dims: list[int], out_sizes: list[int]) -> int:
+    dims = [d % x.dim() for d in dims]
+    return x.numel() * _itemsize(x.dtype) if _exec_fft(x.shape, x.stride(), dims, out_sizes)[0] else 0
+
+
+@scratch_rule("cpu", aten._fft_r2c.default, aten._fft_c2c.default)
+def _fft_r2c_c2c(args: tuple, kwargs: dict, out: Any) -> int:
+    """_fft_r2c_mkl / _fft_c2c_mkl: the output, then _exec_fft's copy of the input if its batch
+    dimensions do not merge (an FFT over a dimension other than the last, a transposed input). A
+    two-sided r2c fills the other half in place."""
+    if not torch.backends.mkl.is_available():
+        return 0  # pocketfft: not modelled
+    return _fft_input_copy(args[0], list(args[1]), list(out.shape))
+
+
+@scratch_rule("cpu", aten._fft_c2r.default)
+def _fft_c2r(args: tuple, kwargs: dict, out: Any) -> int:
+    """_fft_c2r_mkl: over more than one dimension, a c2c over all but the last first (its complex
+    output, input-sized, and that transform's own input copy), then the c2r over the last dimension
+    of that output, with _exec_fft's copy of it where needed."""
+    if not torch.backends.mkl.is_available():
+        return 0  # pocketfft: not modelled
+    x, dims = args[0], [d % args[0].dim() for d in args[1]]
+    result = out.numel() * _itemsize(out.dtype)
+    if len(dims) == 1:
+        return _fft_input_copy(x, dims, list(out.shape))
+    size = x.numel() * _itemsize(x.dtype)
+    first_copies, strides = _exec_fft(x.shape, x.stride(), dims[:-1], list(x.shape))
+    last_copies, _ = _exec_fft(x.shape, tuple(strides), dims[-1:], list(out.shape))
+    peak = max(size + (size if first_copies else 0), size + result + (size if last_copies else 0))
+    return peak - result
+
+
+@scratch_rule("cpu", aten.native_dropout_backward.default)
+def _native_dropout_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """Dropout.cpp native_dropout_backward: `grad_output * mask * scale`: the bool mask converted to the
+    gradient's dtype (freed after the first product), then the scale a wrapped double, converted."""
+    grad = args[0]
+    size = _itemsize(grad.dtype)
+    return grad.numel() * size + 8 + (0 if grad.dtype == torch.float64 else size)
 
 
 # --------------------------------------------------------------------------------------------------

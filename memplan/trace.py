@@ -55,6 +55,13 @@ _METADATA_QUERIES = SAC_IGNORED_OPS - {torch.ops.aten.detach.default}
 # bins (or one per element without it).
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
                    torch.ops.aten.bincount.default}
+# Backward formulas (torch/csrc/autograd/FunctionsManual.cpp) that write the gradient into a fresh zeros
+# tensor in place, but out of place when any operand is a tensor subclass (`areAnyTensorSubclassLike`, as
+# fake tensors are): value_selecting_reduction_backward (sort, topk, kthvalue, median, max.dim: `scatter_`),
+# gather_backward (`scatter_add_`), index_backward (advanced indexing: `_index_put_impl_`) and
+# index_select_backward (`index_add_`).
+_BACKWARD_IN_PLACE = {torch.ops.aten.scatter.src, torch.ops.aten.scatter_add.default, torch.ops.aten.index_put.default,
+                      torch.ops.aten.index_add.default}
 # Elements of a traced tensor whose values the recorder keeps (integer and bool tensors only)
 _KNOWN_LIMIT = 1 << 16
 
@@ -139,13 +146,14 @@ class Op:
     step: int
     module: str  # innermost module path running it ("" for the top level)
     flops: int
-    reads: tuple[int, ...]  # storage ids of its tensor inputs
+    reads: tuple[int, ...]  # storage ids of its tensor inputs, in argument order
     writes: tuple[int, ...]  # storage ids its schema says it mutates in place (add_, relu_, copy_, ...)
     allocates: tuple[int, ...]  # storage ids it creates
     scratch_bytes: int  # kernel-internal scratch, allocated and freed inside the op (device rule)
-    # an out-of-place add that eager PyTorch does in place into its first operand, which the tracer
+    # an out-of-place op that eager PyTorch does in place into its first operand, which the tracer
     # sees out of place because fake tensors are tensor subclasses: autograd's gradient accumulation
-    # (_is_grad_accumulation) and the adds of _IN_PLACE_ADDS (_is_in_place_add)
+    # (_is_grad_accumulation), the adds of _IN_PLACE_ADDS (_is_in_place_add) and the backward
+    # formulas of _BACKWARD_IN_PLACE (_is_backward_in_place)
     accumulates_in_place: bool = False
     variant: str = ""  # a non-tensor argument that changes its cost (see _COST_VARIANTS); "" by default
 
@@ -401,7 +409,7 @@ class _Recorder(TorchDispatchMode):
             self.found_inf.add(args[1].untyped_storage())
         index = len(self.ops)
         self.sequence_nrs.append(torch._C._autograd._get_sequence_nr())
-        read_storages = {t.untyped_storage() for t in inputs}
+        read_storages = dict.fromkeys(t.untyped_storage() for t in inputs)  # in argument order
         reads = tuple(self.ids[s] for s in read_storages if s in self.ids)
         writes = tuple(self.ids[t.untyped_storage()] for t in written if t.untyped_storage() in self.ids)
         allocates = []
@@ -431,7 +439,8 @@ class _Recorder(TorchDispatchMode):
                 writes=writes,
                 allocates=tuple(allocates),
                 scratch_bytes=scratch,
-                accumulates_in_place=self._is_grad_accumulation(func, args) or self._is_in_place_add(func, args),
+                accumulates_in_place=(self._is_grad_accumulation(func, args) or self._is_in_place_add(func, args)
+                                      or self._is_backward_in_place(func)),
                 variant=_COST_VARIANTS[func._overloadpacket](kwargs) if func._overloadpacket in _COST_VARIANTS else "",
             )
         )
@@ -465,6 +474,11 @@ class _Recorder(TorchDispatchMode):
             return False
         old = args[0] if args else None
         return not (isinstance(old, torch.Tensor) and (old._is_view() or not is_non_overlapping_and_dense_or_false(old)))
+
+    def _is_backward_in_place(self, func: Any) -> bool:
+        """One of _BACKWARD_IN_PLACE's ops run by the autograd engine (outside any module, grad mode off)."""
+        return (func in _BACKWARD_IN_PLACE and self.phase == "backward" and self.module_stack == [""]
+                and not torch.is_grad_enabled())
 
     def _is_in_place_add(self, func: Any, args: tuple) -> bool:
         """An out-of-place add, inside a call of one of _IN_PLACE_ADDS' composites, into a result made

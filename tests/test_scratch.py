@@ -169,6 +169,123 @@ def test_upsample_and_dropout():
     check(aten.native_dropout.default, lambda: (randn(64, 32), 0.1, True))
 
 
+@pytest.mark.parametrize("op, make_args", [
+    (aten.sum.default, lambda: (randn(40000),)),  # a full reduction past GRAIN_SIZE: one partial per thread
+    (aten.mean.default, lambda: (randn(200, 200, dtype=BF16),)),  # with the input's float32 copy
+    (aten.mean.default, lambda: (randn(200, 200),)),
+    (aten.sum.default, lambda: (randn(1000),)),  # below GRAIN_SIZE: one thread, no buffer
+], ids=["sum-fp32", "mean-bf16", "mean-fp32", "sum-small"])
+def test_reductions_to_one_element(threads, op, make_args):
+    check(op, make_args)
+
+
+@pytest.mark.parametrize("shape, dims, dtype", [
+    ((64, 100), [-1], torch.float32), ((64, 100), [0], BF16), ((256, 256), [0, 1], torch.float32),
+    ((256, 256), [0, 1], BF16), ((8, 16), [1], torch.float64),
+])
+def test_logsumexp(threads, shape, dims, dtype):
+    assert check(aten.logsumexp.default, lambda: (randn(*shape, dtype=dtype), dims)) > 0
+
+
+def test_sorting_and_selection():
+    assert check(aten.sort.default, lambda: (randn(4, 1000), -1)) > 0
+    check(aten.sort.default, lambda: (randn(3, 4, 50), 0))
+    check(aten.sort.stable, lambda: (randn(64, 100, dtype=BF16),), {"stable": True, "dim": 0})
+    check(aten.kthvalue.default, lambda: (randn(64, 100), 3, 0))
+    check(aten.kthvalue.default, lambda: (randn(64, 100, dtype=BF16), 3, -1))
+    check(aten.topk.default, lambda: (randn(64, 100), 3))  # nothing beyond its outputs
+
+
+def test_dist(threads):
+    check(aten.dist.default, lambda: (randn(64, 100), randn(100)))
+    check(aten.dist.default, lambda: (randn(256, 256, dtype=BF16), randn(256, 256, dtype=BF16), 1))
+    check(aten.dist.default, lambda: (randn(256, 256), randn(256, 256)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("weighted, reduction", [(False, 1), (False, 0), (False, 2), (True, 1)],
+                         ids=["mean", "none", "sum", "weights-mean"])
+def test_binary_cross_entropy_with_logits(threads, dtype, weighted, reduction):
+    def make_args():
+        shape = (4, 1000)
+        weight = randn(1000, dtype=dtype) if weighted else None
+        return randn(*shape, dtype=dtype), torch.rand(*shape).to(dtype), weight, weight, reduction
+
+    assert check(aten.binary_cross_entropy_with_logits.default, make_args) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_scatter_and_gather(dtype, index_dtype):
+    index = lambda high, *shape: torch.randint(0, high, shape, dtype=index_dtype)
+    check(aten.gather.default, lambda: (randn(64, 100, dtype=dtype), 1, index(100, 64, 30)))
+    check(aten.gather.default, lambda: (randn(64, 100, dtype=dtype), 0, index(64, 64, 30)))
+    src = lambda: randn(64, 40, dtype=dtype)
+    check(aten.scatter_add.default, lambda: (randn(64, 100, dtype=dtype), 1, index(100, 64, 30), src()))
+    check(aten.scatter_add_.default, lambda: (randn(64, 100, dtype=dtype), 1, index(100, 64, 30), src()))
+    check(aten.scatter.src, lambda: (randn(64, 100, dtype=dtype), 1, index(100, 64, 30), src()))
+    check(aten.scatter.value, lambda: (randn(64, 100, dtype=dtype), 0, index(64, 64, 30), 2.0))
+    check(aten.scatter_reduce.two, lambda: (randn(64, 100, dtype=dtype), 1, index(100, 64, 30), src(), "amax"))
+
+
+def test_scatter_and_gather_fast_paths(threads):
+    """The expanded-index paths (dim 0, an index of stride 1 then 0 or 1) and their edge cases."""
+    index = lambda high, *shape: torch.randint(0, high, shape)
+    check(aten.gather.default, lambda: (randn(1000, dtype=BF16), 0, index(1000, 300)))  # expanded: no copy
+    check(aten.gather.default, lambda: (randn(64, 100, dtype=BF16), 0, index(64, 30, 1).expand(30, 100)))
+    check(aten.scatter_add.default, lambda: (randn(64, 100, dtype=BF16), 0, index(64, 30, 1).expand(30, 100),
+                                             randn(30, 100, dtype=BF16)))  # a float32 row per thread
+    check(aten.scatter_add.default, lambda: (randn(1000, dtype=BF16), 0, index(1000, 300), randn(300, dtype=BF16)))
+    check(aten.scatter_add.default, lambda: (randn(5, dtype=BF16), 0, index(5, 0), randn(0, dtype=BF16)))
+    check(aten.scatter_add.default, lambda: (randn(1, dtype=BF16)[0], 0, torch.zeros((), dtype=torch.long), randn(1, dtype=BF16)[0]))
+
+
+def complex_randn(*shape):
+    return torch.randn(*shape, dtype=torch.complex64)
+
+
+@pytest.mark.parametrize("op, make_args", [
+    (aten._fft_r2c.default, lambda: (randn(4, 64, 256), [2], 0, True)),  # the last dimension: no copy
+    (aten._fft_r2c.default, lambda: (randn(4, 256, 64), [1], 0, True)),  # a middle one: the input copied
+    (aten._fft_r2c.default, lambda: (randn(256, 64), [0], 0, True)),
+    (aten._fft_r2c.default, lambda: (randn(2, 32, 32, 8), [1, 2], 0, True)),
+    (aten._fft_r2c.default, lambda: (randn(4, 256, 64).transpose(1, 2), [2], 0, False)),
+    (aten._fft_c2c.default, lambda: (complex_randn(4, 256, 64), [1], 0, True)),
+    (aten._fft_c2c.default, lambda: (complex_randn(2, 8, 32, 32), [2, 3], 0, False)),
+    (aten._fft_c2r.default, lambda: (complex_randn(4, 64, 129), [2], 0, 256)),
+    (aten._fft_c2r.default, lambda: (complex_randn(4, 129, 64), [1], 0, 256)),
+    (aten._fft_c2r.default, lambda: (complex_randn(2, 8, 32, 17), [2, 3], 0, 32)),  # a c2c, then a c2r
+    (aten._fft_c2r.default, lambda: (complex_randn(2, 32, 17, 8), [1, 2], 0, 32)),
+], ids=["r2c-last", "r2c-middle", "r2c-first", "r2c-2d-channels-last", "r2c-transposed-two-sided", "c2c-middle",
+        "c2c-2d", "c2r-last", "c2r-middle", "c2r-2d", "c2r-2d-channels-last"])
+def test_fft(op, make_args):
+    check(op, make_args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_native_dropout_backward(dtype):
+    check(aten.native_dropout_backward.default, lambda: (randn(64, 100, dtype=dtype), torch.rand(64, 100) > 0.2, 1.25))
+
+
+CL3 = torch.channels_last_3d
+
+
+@pytest.mark.parametrize("op, make_args", [
+    (aten.upsample_nearest1d.default, lambda: (randn(2, 8, 50), [100])),
+    (aten._upsample_nearest_exact1d.default, lambda: (randn(2, 50, 8).transpose(1, 2), [100])),
+    (aten.upsample_linear1d.default, lambda: (randn(2, 8, 50, dtype=BF16), [100], False)),
+    (aten.upsample_bicubic2d.default, lambda: (randn(2, 8, 20, 20), [80, 90], False)),
+    (aten.upsample_bicubic2d.default, lambda: (randn(2, 8, 20, 20, channels_last=True), [40, 40], True)),
+    (aten.upsample_nearest3d.default, lambda: (randn(2, 4, 8, 8, 8), [16, 16, 16])),
+    (aten.upsample_nearest3d.default, lambda: (randn(2, 4, 8, 8, 8).contiguous(memory_format=CL3), [20, 20, 20])),
+    (aten.upsample_trilinear3d.default, lambda: (randn(2, 3, 8, 8, 8).contiguous(memory_format=CL3), [20, 20, 20], False)),
+    (aten.upsample_trilinear3d.default, lambda: (randn(2, 4, 8, 8, 8, dtype=BF16), [20, 20, 20], False)),
+], ids=["nearest1d", "nearest-exact1d-transposed", "linear1d-bf16", "bicubic", "bicubic-channels-last",
+        "nearest3d", "nearest3d-channels-last", "trilinear3d-3-channels", "trilinear3d-bf16"])
+def test_upsampling(op, make_args):
+    check(op, make_args)
+
+
 # --------------------------------------------------------------------------------------------------
 # oneDNN: measured from oneDNN itself, on fake operands as the tracer passes them
 
@@ -189,6 +306,21 @@ def test_bf16_matmul_layouts():
     check(aten.mm.default, lambda: (randn(48, 64, dtype=BF16).t(), randn(96, 48, dtype=BF16).t()))
     check(aten.addmm.default, lambda: (randn(96, dtype=BF16), randn(64, 48, dtype=BF16), randn(48, 96, dtype=BF16)))
     assert check(aten.mm.default, lambda: (randn(64, 48), randn(48, 96))) == 0  # float32: BLAS, no scratch
+
+
+def test_float32_matmuls_clone_what_blas_cannot_read():
+    expanded = lambda rows, cols: torch.randn(1, 1).expand(rows, cols)  # a gradient of a sum, say
+    assert check(aten.mm.default, lambda: (expanded(64, 32), randn(32, 48))) > 0
+    check(aten.mm.default, lambda: (randn(64, 32), expanded(32, 48)))
+    check(aten.mm.default, lambda: (randn(64, 64)[:, ::2], randn(32, 48)))  # a strided slice
+    check(aten.mm.default, lambda: (expanded(1, 32), randn(32, 48)))
+    check(aten.mm.default, lambda: (randn(64, 1), randn(1, 48)))
+    check(aten.addmm.default, lambda: (randn(48), expanded(64, 32), expanded(32, 48)))
+    check(aten.bmm.default, lambda: (torch.randn(1, 1, 1).expand(4, 64, 32), randn(4, 32, 48)))  # per item
+    check(aten.bmm.default, lambda: (randn(4, 64, 64)[:, :, ::2], randn(4, 32, 48)))
+    check(aten.bmm.default, lambda: (torch.randn(1, 1, 1).expand(4, 4, 4), randn(4, 4, 4)))  # a plain loop
+    check(aten.mv.default, lambda: (expanded(64, 32), randn(32)))
+    check(aten.mv.default, lambda: (randn(64, 32), torch.randn(1).expand(32)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

@@ -815,3 +815,105 @@ def test_garbage_in_reference_cycles_lives_as_in_eager():
 
 def test_garbage_in_reference_cycles_grows_every_step():
     _check(held_by_a_reference_cycle, optimizer="sgd", steps=4)
+
+
+def sound_event_tagger(batch_size: int = 2):
+    """A sound-event tagger: 1-d convolutions, frames upsampled back (linear), log-sum-exp pooling over
+    time plus the mean of the 3 loudest frames (a sort), labels gathered from a table, and a multi-label
+    loss with positive weights: kernels that allocate inside themselves (logsumexp's difference,
+    sort's positions, upsampling's tables, the loss's log-sigmoid buffer, bf16 scatter's float copy)
+    and a backward that scatters into fresh zeros in place."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(1, 32, 16, stride=8)
+            self.head = nn.Conv1d(32, 10, 1)
+
+        def forward(self, wave, table, which):
+            frames = self.head(F.gelu(self.conv(wave)))  # (batch, classes, frames)
+            frames = F.interpolate(frames, scale_factor=2.0, mode="linear")
+            pooled = frames.logsumexp(-1) + frames.sort(-1, descending=True).values[..., :3].mean(-1)
+            labels = torch.gather(table, 1, which)
+            return F.binary_cross_entropy_with_logits(pooled, labels, pos_weight=torch.full((10,), 2.0))
+
+    table = (torch.rand(batch_size, 40) > 0.5).float()
+    return Net(), (torch.randn(batch_size, 1, 4000), table, torch.randint(0, 40, (batch_size, 10)))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_kernels_with_inner_allocations_match(precision):
+    _check(sound_event_tagger, precision=precision, optimizer="sgd")
+
+
+def selections(batch_size: int = 4):
+    """Losses over selected values: their gradients are scattered into fresh zeros, in place in eager
+    (sort and topk: scatter_; gather: scatter_add_; advanced indexing: index_put_; index_select: index_add_)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 512)
+
+        def forward(self, x, index):
+            h = self.proj(x)
+            return (h.sort(-1).values[:, :50].mean() + h.topk(50, -1).values.mean()
+                    + torch.gather(h, 1, index).mean() + h[:, index[0]].mean() + h.index_select(1, index[1]).mean())
+
+    return Net(), (torch.randn(batch_size * 16, 64), torch.randint(0, 512, (batch_size * 16, 100)))
+
+
+def test_gradients_scattered_into_fresh_zeros_in_place():
+    _check(selections, optimizer="sgd")
+
+
+def fourier_layers(batch_size: int = 2):
+    """Fourier neural operator layers: rfft2, the lowest modes mixed by complex weights, irfft2 back,
+    plus a pointwise path; a sequence model mixing along time by an FFT convolution (rfft/irfft
+    over a middle dimension); the output summed (its gradient an expanded tensor)."""
+
+    class Net(nn.Module):
+        def __init__(self, channels: int = 8, modes: int = 6):
+            super().__init__()
+            self.modes = modes
+            self.lift = nn.Conv2d(3, channels, 1)
+            self.spectral = nn.Parameter(torch.randn(channels, channels, modes, modes, dtype=torch.cfloat) / channels)
+            self.pointwise = nn.Conv2d(channels, channels, 1)
+            self.mix = nn.Linear(channels, channels)
+
+        def forward(self, x):
+            h = self.lift(x)
+            spectrum = torch.fft.rfft2(h)
+            low = torch.einsum("bixy,ioxy->boxy", spectrum[:, :, :self.modes, :self.modes], self.spectral)
+            mixed = torch.zeros_like(spectrum)
+            mixed[:, :, :self.modes, :self.modes] = low
+            h = F.gelu(torch.fft.irfft2(mixed, s=h.shape[-2:]) + self.pointwise(h))
+            seq = h.flatten(2).transpose(1, 2)  # (batch, time, channels)
+            kernel = torch.fft.rfft(self.mix(seq), dim=1)
+            seq = torch.fft.irfft(torch.fft.rfft(seq, dim=1) * kernel, n=seq.shape[1], dim=1)
+            return seq.sum()
+
+    return Net(), (torch.randn(batch_size, 3, 32, 32),)
+
+
+def test_ffts_and_matmuls_of_expanded_gradients_match():
+    _check(fourier_layers)
+
+
+def summed_projection(batch_size: int = 4):
+    """A projection of a 3-d input whose output is summed: the weight's gradient is a matmul of an
+    expanded (stride 0) gradient, which BLAS cannot read, so aten clones it first."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.proj(x).sum()
+
+    return Net(), (torch.randn(batch_size, 16, 64),)
+
+
+def test_matmul_of_an_expanded_gradient_clones_it():
+    _check(summed_projection)
