@@ -1216,11 +1216,13 @@ def _exec_fft(shape: torch.Size, strides: tuple[int, ...], dims: list[int],
               out_sizes: list[int]) -> tuple[bool, list[int]]:
     """SpectralOps.cpp _exec_fft: the input is permuted (batch dimensions first, by decreasing stride,
     then the transformed ones) and its batch dimensions collapsed by `reshape`, a copy unless they
-    merge; the output is computed contiguous in that order and strided back. (Copies the input?,
-    the output's strides.)"""
+    merge; the output is computed contiguous in that order and strided back. An input with a
+    dimension of stride 0 (expanded, as the gradient of a sum is) is copied as well (measured on
+    this build). (Copies the input?, the output's strides.)"""
     ndim = len(shape)
     batch = sorted((d for d in range(ndim) if d not in dims), key=lambda d: -strides[d])
-    copies = not _merges([shape[d] for d in batch], [strides[d] for d in batch])
+    expanded = any(stride == 0 and size > 1 for size, stride in zip(shape, strides))
+    copies = expanded or not _merges([shape[d] for d in batch], [strides[d] for d in batch])
     signal = [out_sizes[d] for d in dims]
     signal_strides = list(make_contiguous_strides_for(signal)) if signal else []
     out_strides = [0] * ndim

@@ -256,8 +256,13 @@ def complex_randn(*shape):
     (aten._fft_c2r.default, lambda: (complex_randn(4, 129, 64), [1], 0, 256)),
     (aten._fft_c2r.default, lambda: (complex_randn(2, 8, 32, 17), [2, 3], 0, 32)),  # a c2c, then a c2r
     (aten._fft_c2r.default, lambda: (complex_randn(2, 32, 17, 8), [1, 2], 0, 32)),
+    (aten._fft_r2c.default, lambda: (torch.randn(1, 1, 1).expand(5, 10, 7), [2], 1, True)),  # expanded: copied
+    (aten._fft_r2c.default, lambda: (torch.randn(1, 10, 7).expand(5, 10, 7), [1, 2], 1, True)),
+    (aten._fft_c2c.default, lambda: (complex_randn(1, 1, 1).expand(5, 10, 7), [2], 0, True)),
+    (aten._fft_c2r.default, lambda: (complex_randn(1, 1, 1).expand(5, 10, 7), [2], 0, 12)),
 ], ids=["r2c-last", "r2c-middle", "r2c-first", "r2c-2d-channels-last", "r2c-transposed-two-sided", "c2c-middle",
-        "c2c-2d", "c2r-last", "c2r-middle", "c2r-2d", "c2r-2d-channels-last"])
+        "c2c-2d", "c2r-last", "c2r-middle", "c2r-2d", "c2r-2d-channels-last", "r2c-expanded", "r2c-2d-row-expanded",
+        "c2c-expanded", "c2r-expanded"])
 def test_fft(op, make_args):
     check(op, make_args)
 
