@@ -1,0 +1,202 @@
+"""Architectures memplan was not built on: Hugging Face models at tiny sizes, each one training step's
+predicted peak (memplan.estimate) against the CPU allocator's own events (memplan.verify.measure).
+
+    pip install transformers   # not a memplan dependency; models are built from configs, nothing is downloaded
+    python benchmarks/hf_architectures.py [--models t5,mixtral,...] [--precisions fp32,bf16] [--optimizer adamw]
+
+One row per model and precision: the predicted and measured peaks, the error, each phase's difference
+(predicted - measured, bytes) and the ops whose data-dependent results the estimate assumed. Random
+layer skipping (layerdrop) is off: the estimate assumes every layer runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from tabulate import tabulate
+
+from memplan.estimate import estimate
+from memplan.step import StepConfig
+from memplan.verify import measure
+from memplan.workload import Workload
+
+BATCH, SEQ, VOCAB = 2, 32, 256
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+         "vocab_size": VOCAB, "max_position_embeddings": 128}
+Build = Callable[[int], tuple[Any, dict]]
+
+
+def _tokens(*shape: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, shape)
+
+
+def _language(model: str, config: str, small: bool = True, **options: Any) -> Build:
+    """A (causal or masked) language model whose labels are its inputs."""
+
+    def build(batch_size: int = BATCH) -> tuple[Any, dict]:
+        import transformers
+
+        settings = {**(SMALL if small else {}), **options}
+        tokens = _tokens(batch_size, SEQ)
+        return getattr(transformers, model)(getattr(transformers, config)(**settings)), {"input_ids": tokens,
+                                                                                         "labels": tokens}
+
+    return build
+
+
+def _seq2seq(model: str, config: str, **options: Any) -> Build:
+    def build(batch_size: int = BATCH) -> tuple[Any, dict]:
+        import transformers
+
+        made = getattr(transformers, model)(getattr(transformers, config)(**{**SMALL, **options}))
+        return made, {"input_ids": _tokens(batch_size, SEQ), "labels": _tokens(batch_size, 16)}
+
+    return build
+
+
+def _image_classifier(model: str, config: str, size: int = 32, **options: Any) -> Build:
+    def build(batch_size: int = BATCH) -> tuple[Any, dict]:
+        import transformers
+
+        made = getattr(transformers, model)(getattr(transformers, config)(
+            **{**SMALL, "image_size": size, "num_labels": 10, **options}))
+        return made, {"pixel_values": torch.randn(batch_size, 3, size, size),
+                      "labels": torch.randint(0, 10, (batch_size,))}
+
+    return build
+
+
+def _whisper(batch_size: int = BATCH) -> tuple[Any, dict]:
+    import transformers
+
+    config = transformers.WhisperConfig(
+        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=50, vocab_size=VOCAB,
+        decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.WhisperForConditionalGeneration(config), {
+        "input_features": torch.randn(batch_size, 16, 100), "labels": _tokens(batch_size, 12)}
+
+
+def _wav2vec2(batch_size: int = BATCH) -> tuple[Any, dict]:
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        **{**SMALL, "vocab_size": 32}, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, feat_extract_norm="group",
+        ctc_loss_reduction="mean", layerdrop=0.0)
+    return transformers.Wav2Vec2ForCTC(config), {"input_values": torch.randn(batch_size, 4000),
+                                                 "labels": torch.randint(1, 32, (batch_size, 20))}
+
+
+def _segformer(batch_size: int = BATCH) -> tuple[Any, dict]:
+    import transformers
+
+    config = transformers.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+        patch_sizes=[7, 3], strides=[4, 2], decoder_hidden_size=32, num_labels=5)
+    return transformers.SegformerForSemanticSegmentation(config), {
+        "pixel_values": torch.randn(batch_size, 3, 64, 64), "labels": torch.randint(0, 5, (batch_size, 64, 64))}
+
+
+def _autoformer(batch_size: int = BATCH) -> tuple[Any, dict]:
+    import transformers
+
+    config = transformers.AutoformerConfig(
+        prediction_length=8, context_length=16, lags_sequence=[1, 2], d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        num_time_features=1)
+    past = 16 + 2  # the context and the largest lag
+    return transformers.AutoformerForPrediction(config), {
+        "past_values": torch.randn(batch_size, past), "past_time_features": torch.randn(batch_size, past, 1),
+        "past_observed_mask": torch.ones(batch_size, past), "future_values": torch.randn(batch_size, 8),
+        "future_time_features": torch.randn(batch_size, 8, 1)}
+
+
+MODELS: dict[str, Build] = {
+    "t5": _seq2seq("T5ForConditionalGeneration", "T5Config", d_model=64, d_ff=128, num_layers=2, num_heads=4,
+                   d_kv=16, decoder_start_token_id=0),
+    "bart": _seq2seq("BartForConditionalGeneration", "BartConfig", d_model=64, encoder_layers=2, decoder_layers=2,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128),
+    "mixtral": _language("MixtralForCausalLM", "MixtralConfig", num_key_value_heads=2, num_local_experts=4,
+                         num_experts_per_tok=2),
+    "qwen2": _language("Qwen2ForCausalLM", "Qwen2Config", num_key_value_heads=2),
+    "gemma": _language("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=2, head_dim=16),
+    "phi": _language("PhiForCausalLM", "PhiConfig"),
+    "gpt_neox": _language("GPTNeoXForCausalLM", "GPTNeoXConfig"),
+    "bloom": _language("BloomForCausalLM", "BloomConfig", n_layer=2, n_head=4),
+    "opt": _language("OPTForCausalLM", "OPTConfig", ffn_dim=128, word_embed_proj_dim=64),
+    "falcon": _language("FalconForCausalLM", "FalconConfig"),
+    "mamba": _language("MambaForCausalLM", "MambaConfig", state_size=8),
+    "deberta_v2": _language("DebertaV2ForMaskedLM", "DebertaV2Config", relative_attention=True,
+                            pos_att_type=["p2c", "c2p"]),
+    "reformer": _language("ReformerModelWithLMHead", "ReformerConfig", attention_head_size=16, axial_pos_embds=False,
+                          attn_layers=["lsh", "local"], is_decoder=True, feed_forward_size=128, num_buckets=4,
+                          lsh_attn_chunk_length=8, local_attn_chunk_length=8),
+    "fnet": _language("FNetForMaskedLM", "FNetConfig", use_tpu_fourier_optimizations=False),
+    "roformer": _language("RoFormerForMaskedLM", "RoFormerConfig"),
+    "xlnet": _language("XLNetLMHeadModel", "XLNetConfig", small=False, vocab_size=VOCAB, d_model=64, n_layer=2,
+                       n_head=4, d_inner=128),
+    "funnel": _language("FunnelForMaskedLM", "FunnelConfig", small=False, vocab_size=VOCAB, block_sizes=[1, 1],
+                        d_model=64, n_head=4, d_head=16, d_inner=128),
+    "swin": _image_classifier("SwinForImageClassification", "SwinConfig", embed_dim=16, depths=[1, 1],
+                              num_attention_heads=[2, 2], window_size=4, patch_size=2),
+    "convnext": _image_classifier("ConvNextForImageClassification", "ConvNextConfig", hidden_sizes=[16, 32],
+                                  depths=[1, 1]),
+    "mobilevit": _image_classifier("MobileViTForImageClassification", "MobileViTConfig", hidden_sizes=[32, 48, 64],
+                                   neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64]),
+    "deit": _image_classifier("DeiTForImageClassification", "DeiTConfig", patch_size=8),
+    "whisper": _whisper,
+    "wav2vec2": _wav2vec2,
+    "segformer": _segformer,
+    "autoformer": _autoformer,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows, exact, compared = [], 0, 0
+    for name in args.models.split(","):
+        for precision in args.precisions.split(","):
+            started = time.perf_counter()
+            workload = Workload(name, MODELS[name], None, {})
+            config = StepConfig(precision=precision, optimizer=args.optimizer, steps=2)
+            try:
+                predicted = estimate(workload, config, device="cpu")
+                measured = measure(workload, config, device="cpu")
+            except Exception as error:  # noqa: BLE001 - a row says what failed, the others still run
+                rows.append([name, precision, "-", "-", "-", f"{type(error).__name__}: {str(error)[:80]}", "", ""])
+                continue
+            compared += 1
+            differences = {phase: predicted.phase_peaks.get(phase, 0) - measured.phase_peaks.get(phase, 0)
+                           for phase in measured.phase_peaks}
+            exact += predicted.peak_bytes == measured.measured_peak_bytes and not any(differences.values())
+            error = 100 * (predicted.peak_bytes - measured.measured_peak_bytes) / measured.measured_peak_bytes
+            rows.append([name, precision, predicted.peak_bytes, measured.measured_peak_bytes, f"{error:+.3f}",
+                         " ".join(f"{phase[0]}{diff:+d}" for phase, diff in differences.items()),
+                         ",".join(predicted.approximate_ops), f"{time.perf_counter() - started:.1f}"])
+    print(tabulate(rows, headers=["model", "precision", "predicted B", "measured B", "error %",
+                                  "phase differences B (f/b/o)", "assumed ops", "s"]))
+    print(f"\n{exact}/{compared} compared rows exact in every phase")
+
+
+if __name__ == "__main__":
+    main()
