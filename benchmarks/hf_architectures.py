@@ -121,6 +121,43 @@ def _autoformer(batch_size: int = BATCH) -> tuple[Any, dict]:
         "future_time_features": torch.randn(batch_size, 8, 1)}
 
 
+def _vision_only(settings: dict) -> dict:
+    return {key: value for key, value in settings.items() if key != "vocab_size"}
+
+
+def _clip(batch_size: int = BATCH) -> tuple[Any, dict]:
+    import transformers
+
+    config = transformers.CLIPConfig(
+        text_config=dict(SMALL), projection_dim=32,
+        vision_config={**_vision_only(SMALL), "image_size": 32, "patch_size": 8})
+    return transformers.CLIPModel(config), {"input_ids": _tokens(batch_size, 16),
+                                            "pixel_values": torch.randn(batch_size, 3, 32, 32), "return_loss": True}
+
+
+def _model(model: str, config: str, inputs: Callable[[int], dict], **settings: Any) -> Build:
+    """Any model class and config from `settings` alone, fed `inputs(batch_size)`."""
+
+    def build(batch_size: int = BATCH) -> tuple[Any, dict]:
+        import transformers
+
+        return getattr(transformers, model)(getattr(transformers, config)(**settings)), inputs(batch_size)
+
+    return build
+
+
+def _speech(batch_size: int) -> dict:
+    return {"input_values": torch.randn(batch_size, 4000), "labels": torch.randint(1, 32, (batch_size, 20))}
+
+
+def _text(length: int) -> Callable[[int], dict]:
+    def inputs(batch_size: int) -> dict:
+        tokens = _tokens(batch_size, length)
+        return {"input_ids": tokens, "labels": tokens}
+
+    return inputs
+
+
 MODELS: dict[str, Build] = {
     "t5": _seq2seq("T5ForConditionalGeneration", "T5Config", d_model=64, d_ff=128, num_layers=2, num_heads=4,
                    d_kv=16, decoder_start_token_id=0),
@@ -158,6 +195,34 @@ MODELS: dict[str, Build] = {
     "wav2vec2": _wav2vec2,
     "segformer": _segformer,
     "autoformer": _autoformer,
+    "vit_mae": _model("ViTMAEForPreTraining", "ViTMAEConfig", lambda b: {"pixel_values": torch.randn(b, 3, 32, 32)},
+                      **SMALL, image_size=32, patch_size=8, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                      decoder_num_attention_heads=2, decoder_intermediate_size=64),
+    "clip": _clip,
+    "dinov2": _image_classifier("Dinov2ForImageClassification", "Dinov2Config", patch_size=8),
+    "gptj": _model("GPTJForCausalLM", "GPTJConfig", _text(SEQ), n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                   vocab_size=VOCAB, n_positions=128),
+    "gpt_bigcode": _model("GPTBigCodeForCausalLM", "GPTBigCodeConfig", _text(SEQ), n_embd=64, n_layer=2, n_head=4,
+                          vocab_size=VOCAB, n_positions=128, multi_query=True),
+    "bigbird": _model("BigBirdForMaskedLM", "BigBirdConfig", _text(64), **SMALL, attention_type="block_sparse",
+                      block_size=4, num_random_blocks=2),
+    "longformer": _model("LongformerForMaskedLM", "LongformerConfig", _text(SEQ), **SMALL, attention_window=8),
+    "hubert": _model("HubertForCTC", "HubertConfig", _speech, **{**SMALL, "vocab_size": 32}, conv_dim=(16, 16),
+                     conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                     num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=0.0),
+    "perceiver": _model("PerceiverForMaskedLM", "PerceiverConfig",
+                        lambda b: {"inputs": _tokens(b, 64), "labels": _tokens(b, 64)}, num_latents=16, d_latents=64,
+                        d_model=64, num_blocks=1, num_self_attends_per_block=2, num_self_attention_heads=4,
+                        num_cross_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64),
+    "timesformer": _model("TimesformerForVideoClassification", "TimesformerConfig",
+                          lambda b: {"pixel_values": torch.randn(b, 4, 3, 16, 16), "labels": torch.randint(0, 5, (b,))},
+                          **_vision_only(SMALL), image_size=16, patch_size=8, num_frames=4, num_labels=5),
+    "jamba": _model("JambaForCausalLM", "JambaConfig", _text(SEQ), **SMALL, num_key_value_heads=2, num_experts=4,
+                    num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+                    attn_layer_offset=0, mamba_d_state=8, use_mamba_kernels=False),
+    "recurrent_gemma": _model("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig", _text(SEQ),
+                              **{**SMALL, "num_hidden_layers": 3}, lru_width=64, attention_window_size=16,
+                              num_key_value_heads=1, block_types=["recurrent", "attention"]),
 }
 
 
