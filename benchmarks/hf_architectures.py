@@ -233,9 +233,15 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    unknown = [name for name in args.models.split(",") if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown model {unknown[0]!r}; expected some of: {', '.join(MODELS)}")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        parser.error("needs Hugging Face transformers (pip install transformers)")
 
     transformers.logging.set_verbosity_error()
     rows, exact, compared = [], 0, 0

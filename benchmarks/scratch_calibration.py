@@ -330,6 +330,10 @@ def main() -> None:
         print(f"{sweep(_pointwise_ops())} mismatches")
         return
     if options.models == "sweep:opinfo":
+        try:
+            import expecttest  # noqa: F401 - torch.testing's OpInfo database imports it
+        except ImportError:
+            parser.error("sweep:opinfo needs expecttest (pip install expecttest)")
         print(f"{sweep_opinfo(options.grad)} (op, dtypes) groups disagree")
         return
     for name in options.models.split(","):

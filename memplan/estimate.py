@@ -229,7 +229,7 @@ def _in_place_summand(trace: Trace, events: Sequence[Event], position: int) -> i
             continue  # the sum's own scratch (SDPA's add converting its mask): while it runs
         if candidate.kind != "free" or candidate.op != event.op:
             return None  # only frees that happen before the next op runs
-        if candidate.storage == op.reads[0] and trace.storages[candidate.storage].nbytes == size:
+        if op.reads and candidate.storage == op.reads[0] and trace.storages[candidate.storage].nbytes == size:
             return later  # the first operand, which eager writes into
     return None
 

@@ -347,30 +347,29 @@ def _clone_bytes(matrices: tuple[torch.Tensor, ...]) -> int:
     return sum(m.numel() * _itemsize(m.dtype) for m in matrices if not _blas_ready(m))
 
 
+# The matrices (argument positions) each matmul hands BLAS, and whether they are batches of them
+_BLAS_OPERANDS: dict[Any, tuple[tuple[int, ...], bool]] = {
+    aten.mm.default: ((0, 1), False), aten.addmm.default: ((1, 2), False),
+    aten._addmm_activation.default: ((1, 2), False), aten.mv.default: ((0,), False),
+    aten.addmv.default: ((1,), False), aten.bmm.default: ((0, 1), True), aten.baddbmm.default: ((1, 2), True),
+}
+
+
 def _blas_clones(func: Any, args: tuple, out: Any) -> int:
-    """Bytes of the contiguous clones addmm_impl_cpu_ takes of the matrices BLAS cannot read as they are
-    (an expanded gradient, a strided slice): mm/addmm once; bmm/baddbmm per batch item (one item at
-    a time), where an item is neither contiguous nor transposed and the product is not so small that a
-    plain loop runs it (contraction * rows * cols < 400); mv/addmv the matrix (addmv_impl_cpu)."""
-    if func is aten.mm.default:
-        first, second = args[0], args[1]
-    elif func in (aten.addmm.default, aten._addmm_activation.default):
-        first, second = args[1], args[2]
-    elif func in (aten.mv.default, aten.addmv.default):
-        matrix = args[0] if func is aten.mv.default else args[1]
-        return 0 if out.numel() == 0 or matrix.numel() == 0 else _clone_bytes((matrix,))
-    elif func in (aten.bmm.default, aten.baddbmm.default):
-        first, second = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
-        if 0 in (out.numel(), first.shape[2]) or first.shape[2] * first.shape[1] * second.shape[2] < 400:
-            return 0
-        if _batch_items_ready(first) and _batch_items_ready(second):
-            return 0
-        return _clone_bytes((first[0], second[0]))
-    else:
+    """Bytes of the contiguous clones addmm_impl_cpu_ (addmv_impl_cpu for mv) takes of the matrices BLAS
+    cannot read as they are (an expanded gradient, a strided slice). A batch is cloned item by item
+    (one at a time), where an item is neither contiguous nor transposed and the product is not so
+    small that a plain loop runs it (contraction * rows * cols < 400). addbmm is not modelled."""
+    positions, batched = _BLAS_OPERANDS.get(func, ((), False))
+    matrices = [args[p] for p in positions]
+    if not matrices or out.numel() == 0 or any(m.numel() == 0 for m in matrices):
         return 0
-    if 0 in (out.numel(), first.numel(), second.numel()):
-        return 0
-    return _clone_bytes((first, second))
+    if batched:
+        first, second = matrices
+        if first.shape[1] * first.shape[2] * second.shape[2] < 400 or all(map(_batch_items_ready, matrices)):
+            return 0
+        matrices = [m[0] for m in matrices]
+    return _clone_bytes(tuple(matrices))
 
 
 for _op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
@@ -1046,15 +1045,6 @@ def _argument(args: tuple, kwargs: dict, position: int, name: str, default: Any)
     return args[position] if len(args) > position else kwargs.get(name, default)
 
 
-def _peak(*events: int) -> int:
-    """The highest running total of a kernel's allocations (+) and frees (-), in order."""
-    running = peak = 0
-    for nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
-
-
 @scratch_rule("cpu", aten.logsumexp.default)
 def _logsumexp(args: tuple, kwargs: dict, out: Any) -> int:
     """ReduceOps.cpp logsumexp (integral inputs copied to the default dtype first) ->
@@ -1196,10 +1186,8 @@ def _scatter(accumulates: bool) -> ScratchFormula:
 
 for _op in _SCATTERS:
     scratch_rule("cpu", _op)(_scatter(accumulates=False))
-for _op in _SCATTER_ADDS:
-    scratch_rule("cpu", _op)(_scatter(accumulates=True))
-# "mean" also counts and divides, which is not modelled (its figure is a lower bound)
-for _op in _SCATTER_REDUCES:
+# scatter_reduce's "mean" also counts and divides, which is not modelled (its figure is a lower bound)
+for _op in (*_SCATTER_ADDS, *_SCATTER_REDUCES):
     scratch_rule("cpu", _op)(_scatter(accumulates=True))
 
 

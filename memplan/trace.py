@@ -465,20 +465,18 @@ class _Recorder(TorchDispatchMode):
         backward, outside any module (a recomputed forward runs inside one), with grad mode off.
         A view (the transposed weight gradient of a linear layer tied to an embedding) shares its
         storage with its base, which it keeps alive: eager sums it out of place as well."""
-        if not (
-            func is torch.ops.aten.add.Tensor
-            and self.phase == "backward"
-            and self.module_stack == [""]
-            and not torch.is_grad_enabled()
-        ):
+        if not (func is torch.ops.aten.add.Tensor and self._in_autograd_engine()):
             return False
         old = args[0] if args else None
         return not (isinstance(old, torch.Tensor) and (old._is_view() or not is_non_overlapping_and_dense_or_false(old)))
 
     def _is_backward_in_place(self, func: Any) -> bool:
-        """One of _BACKWARD_IN_PLACE's ops run by the autograd engine (outside any module, grad mode off)."""
-        return (func in _BACKWARD_IN_PLACE and self.phase == "backward" and self.module_stack == [""]
-                and not torch.is_grad_enabled())
+        """One of _BACKWARD_IN_PLACE's ops, run by the autograd engine."""
+        return func in _BACKWARD_IN_PLACE and self._in_autograd_engine()
+
+    def _in_autograd_engine(self) -> bool:
+        """Backward, outside any module (a recomputed forward runs inside one), with grad mode off."""
+        return self.phase == "backward" and self.module_stack == [""] and not torch.is_grad_enabled()
 
     def _is_in_place_add(self, func: Any, args: tuple) -> bool:
         """An out-of-place add, inside a call of one of _IN_PLACE_ADDS' composites, into a result made

@@ -20,3 +20,11 @@ def test_every_benchmark_starts():
         result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
                                 check=False, cwd=ROOT)
         assert result.returncode == 0, f"{script.name}: {result.stderr.strip().splitlines()[-1:]}"
+
+
+def test_a_benchmark_rejects_an_unknown_model_in_one_line():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_architectures.py"), "--models", "t5,nope"],
+                            capture_output=True, text=True, check=False, cwd=ROOT)
+    assert result.returncode == 2  # argparse's usage error
+    assert "Traceback" not in result.stderr
+    assert "error: unknown model 'nope'; expected some of: t5, bart" in result.stderr.strip().splitlines()[-1]
