@@ -3,15 +3,22 @@ predicted peak (memplan.estimate) against the CPU allocator's own events (mempla
 
     pip install transformers   # not a memplan dependency; models are built from configs, nothing is downloaded
     python benchmarks/hf_architectures.py [--models t5,mixtral,...] [--precisions fp32,bf16] [--optimizer adamw]
+                                          [--plan 0.7 [--batch 16]]
 
 One row per model and precision: the predicted and measured peaks, the error, each phase's difference
 (predicted - measured, bytes) and the ops whose data-dependent results the estimate assumed. Random
 layer skipping (layerdrop) is off: the estimate assumes every layer runs.
+
+--plan FRACTION: instead, a selective checkpoint plan (memplan.selective.plan_selective, priced on the CPU)
+for a budget of FRACTION of the predicted unplanned peak: the plan's predicted peak, the peak the CPU
+allocator measures on the planned model, whether the planned model's fp32 gradients equal eager's
+(dropout included, the same seed), its recompute FLOPs %, the planning time and what it checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 import warnings
@@ -24,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from tabulate import tabulate
 
+from memplan.emit import apply_plan
 from memplan.estimate import estimate
-from memplan.step import StepConfig
+from memplan.selective import plan_selective
+from memplan.step import StepConfig, loss_of
 from memplan.verify import measure
 from memplan.workload import Workload
 
@@ -232,6 +241,8 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--plan", type=float, default=None, metavar="FRACTION")
+    parser.add_argument("--batch", type=int, default=None, help="the batch size (default: each model's own, 2)")
     args = parser.parse_args()
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:
@@ -244,11 +255,14 @@ def main() -> None:
         parser.error("needs Hugging Face transformers (pip install transformers)")
 
     transformers.logging.set_verbosity_error()
+    if args.plan is not None:
+        plans(args)
+        return
     rows, exact, compared = [], 0, 0
     for name in args.models.split(","):
         for precision in args.precisions.split(","):
             started = time.perf_counter()
-            workload = Workload(name, MODELS[name], None, {})
+            workload = Workload(name, MODELS[name], args.batch, {})
             config = StepConfig(precision=precision, optimizer=args.optimizer, steps=2)
             try:
                 predicted = estimate(workload, config, device="cpu")
@@ -267,6 +281,57 @@ def main() -> None:
     print(tabulate(rows, headers=["model", "precision", "predicted B", "measured B", "error %",
                                   "phase differences B (f/b/o)", "assumed ops", "s"]))
     print(f"\n{exact}/{compared} compared rows exact in every phase")
+
+
+def plans(args: argparse.Namespace) -> None:
+    rows, exact, fitted, tried = [], 0, 0, 0
+    for name in args.models.split(","):
+        for precision in args.precisions.split(","):
+            workload = Workload(name, MODELS[name], args.batch, {})
+            config = StepConfig(precision=precision, optimizer=args.optimizer, steps=2)
+            try:
+                unplanned = estimate(workload, config, device="cpu")
+                budget = int(args.plan * unplanned.peak_bytes)
+                started = time.perf_counter()
+                result = plan_selective(workload, config, budget, device="cpu")
+                seconds = time.perf_counter() - started
+                plan = result.plan
+                measured = measure(workload, config, device="cpu", plan=plan).measured_peak_bytes if plan.feasible else None
+                grads = "-" if not plan.feasible or precision != "fp32" else "yes" if _gradients_equal(workload, plan) else "NO"
+            except Exception as error:  # noqa: BLE001 - a row says what failed, the others still run
+                rows.append([name, precision, "-", "-", "-", "-", "-", "-", f"{type(error).__name__}: {str(error)[:80]}"])
+                continue
+            tried += 1
+            fitted += plan.feasible and measured <= budget
+            exact += measured == plan.predicted_peak_bytes
+            flops = 100 * plan.recompute_flops / unplanned.step_flops
+            rows.append([name, precision, unplanned.peak_bytes, budget,
+                         plan.predicted_peak_bytes if plan.feasible else f"no fit ({plan.predicted_peak_bytes})",
+                         "-" if measured is None else measured, grads, "-" if not plan.feasible else f"{flops:.1f}",
+                         f"{seconds:.1f}", " ".join(_segment(s) for s in plan.segments)])
+    print(tabulate(rows, headers=["model", "precision", "unplanned B", "budget B", "planned predicted B", "measured B",
+                                  "grads = eager", "FLOPs %", "plan s", "segments (module: full, or how many ops kept)"]))
+    print(f"\n{fitted}/{tried} plans fit the budget as measured, {exact} measured as predicted")
+
+
+def _segment(segment) -> str:
+    modules = segment.modules[0] if len(segment.modules) == 1 else f"{segment.modules[0]}..{segment.modules[-1]}"
+    return f"{modules}:{'full' if segment.policy == 'full' else len(segment.saved_ops)}"
+
+
+def _gradients_equal(workload: Workload, plan) -> bool:
+    """The planned model's fp32 gradients equal eager's, dropout masks drawn from the same seed."""
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    grads = []
+    for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
+        torch.manual_seed(123)
+        candidate.train()
+        loss_of(candidate(**inputs)).backward()
+        grads.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
+    eager, planned = grads
+    return eager.keys() == planned.keys() and all(
+        torch.allclose(planned[name], grad, rtol=1e-5, atol=1e-6) for name, grad in eager.items())
 
 
 if __name__ == "__main__":

@@ -278,10 +278,28 @@ def unsafe_reason(
         return "a parametrization (torch.nn.utils.parametrize) runs when its weight is read, not as a block"
     if _mutated_after(trace, writers, call, forward_end, last):
         return "its input or output is modified in place later in forward"
+    members = _members(trace, call, last)
+    stored = next((c.stores_into for c in members if c.stores_into), "")
+    if stored:
+        return f"its forward stores tensors it makes into its {stored} argument: recomputed, it would store them again"
+    stateful = next((path for path in trace.stateful_modules for m in members
+                     if path == m.path or path.startswith(m.path + ".")), None)
+    if stateful is not None:
+        return (f"{stateful or 'the model'} keeps a tensor it makes in its attribute "
+                f"{trace.stateful_modules[stateful]!r} at every call: recomputed, it would read a changed state")
     approximate_ops = set(trace.approximate_ops)
     if approximate_ops and any(op.name in approximate_ops for op in trace.ops[call.first_op : (last or call).end_op]):
         return "has outputs with data-dependent shapes"
     return ""
+
+
+def _members(trace: Trace, head: ModuleCall, last: ModuleCall | None) -> list[ModuleCall]:
+    """The calls of the segment from `head` to `last` (siblings, `head` alone by default)."""
+    if last is None or last is head:
+        return [head]
+    parent = head.path.rpartition(".")[0]
+    return [c for c in trace.calls if c.phase == head.phase and c.step == head.step and head.opened <= c.opened
+            and c.closed <= last.closed and c.path.rpartition(".")[0] == parent]
 
 
 def _input_bytes(trace: Trace, call: ModuleCall, block_bytes: Callable[[int], int]) -> int:

@@ -756,6 +756,18 @@ def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str =
     for b in unique:
         block = profile(b.path, b.group)
         profiles.append(replace(block, parts=_sub_blocks(trace, block, safety, activations, block_bytes, profile)))
+    # a block unsafe to recompute whole (a decoder layer that appends to a cache it is handed) may still
+    # hold safe sub-blocks (its MLP): it joins the chain kept whole, its sub-blocks as the options
+    for excluded in candidates.excluded:
+        call = trace.first_forward_call(excluded.path)
+        if not safety.once(call):
+            continue
+        block = profile(excluded.path, "")
+        block = replace(block, policies=tuple(p for p in block.policies if p.name == "keep"))
+        parts = _sub_blocks(trace, block, safety, activations, block_bytes, profile)
+        if any(part.modules for part in parts):
+            profiles.append(replace(block, parts=parts))
+    profiles.sort(key=lambda p: trace.first_forward_call(p.path).opened)
     ranges = [r for p in profiles for r in _unit_ranges(trace, p)]
     grads = _gradient_bytes(trace, ranges, block_bytes)
     counted = 0 if peak_event is None else sum(

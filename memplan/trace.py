@@ -20,6 +20,7 @@ import gc
 import itertools
 import math
 import sys
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -211,6 +212,13 @@ class ModuleCall:
     # call that runs no op belongs: an identity Dropout right after its sibling, a wrapper and its child)
     opened: int = 0
     closed: int = 0
+    # the type of an argument object (not a tensor) into which the call stored tensors it made: a
+    # transformers Cache appending its keys and values ("" where none): recomputed, it would store
+    # them again (a cache twice as long), so the call cannot be checkpointed
+    stores_into: str = ""
+    # the module's own attribute (not a parameter or buffer) in which the call kept a tensor it made
+    # ("" where none): RecurrentGemma's recurrent state, a lazily built cache (see Trace.stateful_modules)
+    keeps: str = ""
 
 
 @dataclass(frozen=True)
@@ -236,6 +244,14 @@ class Trace:
     # op index -> tensors autograd saved (each passes the saved-tensor hooks once), counted at the op
     # recorded last when they were saved: the op itself or a helper op it ran. Sum over op ranges.
     saved_tensors: dict[int, int] = field(default_factory=dict)
+
+    @functools.cached_property
+    def stateful_modules(self) -> dict[str, str]:
+        """Modules that keep a tensor they made in an attribute at every call, path -> attribute: recomputed,
+        such a module would read a state its forward changed. Calls after the first step tell them from a
+        cache built once (the first step's first call builds it, later calls only read it)."""
+        last = max((c.step for c in self.calls), default=0)
+        return {c.path: c.keeps for c in self.calls if c.keeps and c.phase == "forward" and c.step == last}
 
     def first_forward_call(self, path: str) -> ModuleCall:
         """The first call of module `path` in step 0's forward (what the planners profile a block by)."""
@@ -579,6 +595,28 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
     def arguments(args: Any, kwargs: Any) -> tuple:
         return (*map(value_of, args[1:]), *((name, value_of(v)) for name, v in (kwargs or {}).items()))
 
+    def made_since(first_op: int) -> Callable[[torch.Tensor], bool]:
+        """Whether a tensor was made by op `first_op` or a later one."""
+        def made(t: torch.Tensor) -> bool:
+            sid = recorder.ids.get(t.untyped_storage())
+            op = recorder.storages[sid]["op"] if sid is not None else None
+            return op is not None and op >= first_op
+
+        return made
+
+    def stores_into(args: Any, kwargs: Any, first_op: int) -> str:
+        """The type of the first argument object (a cache, a list, a dict: anything not a tensor) that now
+        holds a tensor this call made: its forward stored it there."""
+        made = made_since(first_op)
+        return next((holder for value in (*args[1:], *(kwargs or {}).values()) for holder in [_holder_of(value, made)]
+                     if holder), "")
+
+    def keeps(module: nn.Module, first_op: int) -> str:
+        """The first attribute of `module` (not one nn.Module itself sets) that holds a tensor this call made."""
+        made = made_since(first_op)
+        return next((name for name, value in vars(module).items() if name not in _MODULE_ATTRIBUTES
+                     and (made(value) if isinstance(value, torch.Tensor) else _holder_of(value, made))), "")
+
     def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None:
@@ -597,7 +635,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
                 ModuleCall(
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
                     tensor_ids(output), arguments(args, kwargs), id(args[0]) if args else 0, id(output),
-                    opened, next(hooks_run),
+                    opened, next(hooks_run), stores_into(args, kwargs, first), keeps(module, first),
                 )
             )
 
@@ -612,6 +650,41 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
     finally:
         for handle in handles:
             handle.remove()
+
+
+_MODULE_ATTRIBUTES = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own, and a checkpoint's wrapper
+_CONSTANT_TYPES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, types.ModuleType)
+_HOLDER_NODES = 1000  # objects looked into per argument, at most: an argument may reach a whole config
+
+
+def _holder_of(value: Any, made_since: Callable[[torch.Tensor], bool]) -> str:
+    """The type name of `value` where it holds, itself or through the containers and object attributes it
+    reaches, a tensor for which `made_since` holds; "" where it holds none. A tensor that is the argument,
+    or an element of a tuple argument, is an input of the call, not something it stored. Modules, classes
+    and callables are not looked into: what they hold is no state of the value."""
+    seen: set[int] = set()
+
+    def holds(node: Any, depth: int) -> bool:
+        if isinstance(node, torch.Tensor):
+            return made_since(node)
+        if (depth > 4 or node is None or isinstance(node, _CONSTANT_TYPES) or callable(node) or id(node) in seen
+                or len(seen) > _HOLDER_NODES):
+            return False
+        seen.add(id(node))
+        if isinstance(node, dict):
+            items = list(node.values())
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            items = list(node)
+        else:
+            items = list(getattr(node, "__dict__", {}).values())
+        return any(holds(item, depth + 1) for item in items)
+
+    if isinstance(value, tuple):  # (cos, sin): its tensors are inputs; what else it holds may be mutable
+        return next((found for item in value if not isinstance(item, torch.Tensor)
+                     for found in [_holder_of(item, made_since)] if found), "")
+    if isinstance(value, torch.Tensor) or not holds(value, 0):
+        return ""
+    return type(value).__name__
 
 
 @dataclass(frozen=True)

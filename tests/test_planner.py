@@ -529,3 +529,170 @@ def test_a_plan_that_does_not_fit_is_never_above_no_plan():
     unplanned = estimate(workload, CONFIG, device="cpu")
     plan = plan_checkpoints(workload, CONFIG, 1, device="cpu").plan
     assert not plan.feasible and plan.predicted_peak_bytes <= unplanned.peak_bytes
+
+
+class _KeyCache:
+    """transformers' DynamicCache in miniature: each layer appends its keys and reads all it appended."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+
+    def update(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
+        self.keys[layer] = keys if layer not in self.keys else torch.cat([self.keys[layer], keys], dim=1)
+        return self.keys[layer]
+
+
+class _CachingLayer(nn.Module):
+    def __init__(self, width: int, index: int):
+        super().__init__()
+        self.index, self.key = index, nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x, cache=None):
+        keys = self.key(x)
+        if cache is not None:
+            keys = cache.update(keys, self.index)
+        x = x + torch.softmax(x @ keys.transpose(1, 2), dim=-1) @ keys
+        return x + self.mlp(x)
+
+
+class _CachingDecoder(nn.Module):
+    """A decoder that hands its layers a cache object (transformers' models do so in training too, unless
+    use_cache=False), or a list each layer appends its output to."""
+
+    def __init__(self, hand: str, width: int = 32, depth: int = 3):
+        super().__init__()
+        self.hand = hand
+        self.layers = nn.ModuleList(_CachingLayer(width, i) for i in range(depth))
+
+    def forward(self, x):
+        cache = _KeyCache() if self.hand == "cache" else None
+        for layer in self.layers:
+            x = layer(x, cache=cache)
+        return x.square().mean()
+
+
+class _CollectingDecoder(_CachingDecoder):
+    def forward(self, x):
+        outputs: list[torch.Tensor] = []
+        for layer in self.layers:
+            x = layer(x, outputs)
+        return x.square().mean() + sum(o.mean() for o in outputs)
+
+
+class _CollectingLayer(_CachingLayer):
+    def forward(self, x, outputs):
+        outputs.append(super().forward(x))
+        return outputs[-1]
+
+
+def _decoder(hand: str):
+    def build(batch_size: int = 8):
+        model = _CachingDecoder(hand) if hand != "list" else _CollectingDecoder(hand)
+        if hand == "list":
+            model.layers = nn.ModuleList(_CollectingLayer(32, i) for i in range(3))
+        return model, (torch.randn(batch_size, 16, 32),)
+    return Workload(f"decoder-{hand}", build, 8, {})
+
+
+@pytest.mark.parametrize("hand, stored", [("cache", "_KeyCache"), ("list", "list")])
+def test_a_layer_that_stores_what_it_makes_into_an_argument_is_never_recomputed_whole(hand, stored):
+    """Recomputed, such a layer would append to the cache again (keys twice as long): neither planner offers
+    it, while its MLP, which reads no such argument, stays a candidate. The plans measure as predicted, with
+    eager's gradients."""
+    workload = _decoder(hand)
+    unplanned, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    candidates = candidate_blocks(trace)
+    assert {e.path for e in candidates.excluded} == {"layers.0", "layers.1", "layers.2"}
+    assert all(stored in e.reason for e in candidates.excluded)
+    from memplan.selective import plan_selective
+
+    budget = int(0.8 * unplanned.peak_bytes)
+    for plan in (plan_checkpoints(workload, CONFIG, budget, device="cpu").plan,
+                 plan_selective(workload, CONFIG, budget, device="cpu", processor="h100").plan):
+        assert plan.feasible and plan.segments
+        assert all(".mlp" in path for segment in plan.segments for path in segment.modules)
+        assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes == plan.predicted_peak_bytes
+        assert _gradients(workload, plan) == "equal"
+
+
+def test_a_layer_handed_no_cache_may_be_recomputed_whole():
+    _, trace = estimate_and_trace(_decoder("none"), CONFIG, "cpu")
+    assert [b.path for b in candidate_blocks(trace).blocks] == ["layers.0", "layers.1", "layers.2"]
+
+
+def _gradients(workload: Workload, plan: Plan) -> str:
+    import copy
+
+    from memplan.emit import apply_plan
+    from memplan.step import loss_of
+
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    grads = []
+    for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
+        loss_of(candidate(*inputs)).backward()
+        grads.append({name: p.grad for name, p in candidate.named_parameters()})
+    eager, planned = grads
+    return "equal" if all(torch.allclose(planned[n], g, rtol=1e-5, atol=1e-6) for n, g in eager.items()) else "differ"
+
+
+class _StatefulLayer(nn.Module):
+    """Keeps its last output as state, as RecurrentGemma's recurrent blocks do, and mixes it into the next call."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.lin, self.state = nn.Linear(width, width), None
+
+    def forward(self, x):
+        pre = self.lin(x)
+        if self.state is not None and self.state.shape == pre.shape:
+            pre = pre + self.state.detach()
+        self.state = torch.tanh(pre)
+        return self.state
+
+
+class _TableLayer(nn.Module):
+    """Builds a table once, on its first call, and only reads it later (a rotary embedding's cache)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.lin, self.table = nn.Linear(width, width), None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.linspace(0, 1, x.shape[-1])
+        return torch.tanh(self.lin(x) * self.table)
+
+
+@pytest.mark.parametrize("layer, excluded", [(_StatefulLayer, True), (_TableLayer, False)])
+def test_a_module_that_changes_its_own_state_at_every_call_is_never_recomputed(layer, excluded):
+    """Recomputed in backward, a stateful layer would read the state its own forward left (and keep another);
+    one that only builds a cache on its first call is as safe as any."""
+    workload = _factory_workload(lambda: nn.Sequential(*(m for _ in range(3) for m in (layer(), nn.LayerNorm(32)))),
+                                 (16, 32))
+    _, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    candidates = candidate_blocks(trace)
+    blocks = {b.path for b in candidates.blocks}
+    assert blocks.isdisjoint({"0", "2", "4"}) == excluded and {"1", "3", "5"} <= blocks
+    if excluded:
+        assert all("'state'" in e.reason for e in candidates.excluded)
+    nested = nested_candidates(trace)
+    assert any(span.paths == ("0",) for span in nested.spans) != excluded
+
+
+def test_a_stateful_layer_checkpointed_by_hand_gets_wrong_gradients():
+    """Why the rule above: from the second step on, its recomputation reads the state its forward left."""
+    import copy
+
+    from memplan.emit import checkpoint_segment
+
+    torch.manual_seed(0)
+    eager, x = nn.Sequential(_StatefulLayer(), nn.Linear(32, 1)), torch.randn(16, 32)
+    checkpointed = copy.deepcopy(eager)
+    checkpoint_segment([checkpointed[0]])
+    for model in (eager, checkpointed):
+        for _ in range(2):
+            model.zero_grad()
+            model(x).sum().backward()
+    assert not torch.allclose(checkpointed[0].lin.weight.grad, eager[0].lin.weight.grad, rtol=1e-2)
