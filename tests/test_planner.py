@@ -598,8 +598,8 @@ def _decoder(hand: str):
 @pytest.mark.parametrize("hand, stored", [("cache", "_KeyCache"), ("list", "list")])
 def test_a_layer_that_stores_what_it_makes_into_an_argument_is_never_recomputed_whole(hand, stored):
     """Recomputed, such a layer would append to the cache again (keys twice as long): neither planner offers
-    it, while its MLP, which reads no such argument, stays a candidate. The plans measure as predicted, with
-    eager's gradients."""
+    it, while its MLP, which reads no such argument, stays a candidate (of the selective chain too, without
+    the block-level plan as a baseline). The plans measure as predicted, with eager's gradients."""
     workload = _decoder(hand)
     unplanned, trace = estimate_and_trace(workload, CONFIG, "cpu")
     candidates = candidate_blocks(trace)
@@ -609,7 +609,7 @@ def test_a_layer_that_stores_what_it_makes_into_an_argument_is_never_recomputed_
 
     budget = int(0.8 * unplanned.peak_bytes)
     for plan in (plan_checkpoints(workload, CONFIG, budget, device="cpu").plan,
-                 plan_selective(workload, CONFIG, budget, device="cpu", processor="h100").plan):
+                 plan_selective(workload, CONFIG, budget, device="cpu", processor="h100", baselines=()).plan):
         assert plan.feasible and plan.segments
         assert all(".mlp" in path for segment in plan.segments for path in segment.modules)
         assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes == plan.predicted_peak_bytes
