@@ -164,6 +164,18 @@ def _rnn_layer_flops(input: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor
     return 2 * (input.numel() // input.shape[-1]) * (w_ih.numel() + w_hh.numel())
 
 
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *_) -> int:
+    """aten._grouped_mm (mixture-of-experts layers): each group's rows of `a` times its matrix of `b`, 2 FLOPs
+    per multiply-add. Both 2-d: the groups split the shared dimension (a weight's gradient), each group
+    one (rows, columns) output; both 3-d: a batch of products; otherwise the groups split the rows of
+    `a` (2-d) or the columns of `b` (2-d), and every product reaches the output once."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 3 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return 2 * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
 # Keyword arguments that change what an op costs per element, not what it allocates: its Op.variant,
 # which memplan.timing prices by ("" for the default). GELU's tanh form is 3.5x its erf form on a CPU.
 _COST_VARIANTS: dict[Any, Callable[[dict], str]] = {
@@ -175,6 +187,7 @@ MORE_FLOPS = {
     torch.ops.aten.mkldnn_rnn_layer: _rnn_layer_flops,
     # gradients of the input and of both weights: twice the forward's products
     torch.ops.aten.mkldnn_rnn_layer_backward: lambda *args: 2 * _rnn_layer_flops(*args),
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
 }
 
 

@@ -295,6 +295,38 @@ def test_lstm_flops_count_both_matrix_products_per_step():
     assert rnn == {"aten.mkldnn_rnn_layer.default": forward, "aten.mkldnn_rnn_layer_backward.default": 2 * forward}
 
 
+class _Experts(nn.Module):
+    """Mixture-of-experts weights applied as transformers' grouped kernel does: rows sorted by expert."""
+
+    def __init__(self, experts: int = 3, width: int = 8, hidden: int = 16, rows: int = 16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, width, hidden) / 4)
+        self.rows = nn.Parameter(torch.randn(rows, width))  # a parameter: backward takes both gradients
+
+    def forward(self, offsets):
+        return torch._grouped_mm(self.rows, self.weight, offsets).square().mean()
+
+
+def test_grouped_mm_flops_are_those_of_the_matrix_products_of_each_group():
+    """torch.utils.flop_counter has no formula for aten._grouped_mm; memplan's counts what the same step as
+    one matmul per expert counts under FlopCounterMode (forward, and both gradients in backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memplan.estimate import estimate_and_trace
+    from memplan.workload import Workload
+
+    offsets = torch.tensor([4, 12, 16], dtype=torch.int32)  # experts 0, 1, 2 take 4, 8 and 4 rows
+    model = _Experts()
+    _, trace = estimate_and_trace(Workload("experts", lambda batch_size: (model, (offsets,)), 16, {}),
+                                  StepConfig("fp32", "sgd", steps=1), "cpu")
+    counted = sum(op.flops for op in trace.ops if op.name == "aten._grouped_mm.default")
+
+    with FlopCounterMode(display=False) as looped:
+        rows = torch.tensor_split(model.rows, offsets[:-1].tolist())
+        sum(torch.mm(r, w).square().sum() for r, w in zip(rows, model.weight)).backward()
+    assert counted == looped.get_total_flops() > 0
+
+
 @pytest.mark.parametrize("convert", ["float", "half-float", "bfloat16", "double", "data-half"])
 def test_factory_converting_its_module_traces_as_in_eager(convert):
     """model.float() / .half() / .to(dtype) in the factory: nn.Module._apply swaps fake parameters with
