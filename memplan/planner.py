@@ -281,7 +281,9 @@ def unsafe_reason(
     members = _members(trace, call, last)
     stored = next((c.stores_into for c in members if c.stores_into), "")
     if stored:
-        return f"its forward stores tensors it makes into its {stored} argument: recomputed, it would store them again"
+        # transformers' models hand their layers a cache in training too, unless built with use_cache=False
+        hint = " (a transformers model: build it with use_cache=False)" if stored.endswith("Cache") else ""
+        return f"its forward stores tensors it makes into its {stored} argument: recomputed, it would store them again{hint}"
     stateful = next((path for path in trace.stateful_modules for m in members
                      if path == m.path or path.startswith(m.path + ".")), None)
     if stateful is not None:
