@@ -621,7 +621,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         """The type of the first argument object (a cache, a list, a dict: anything not a tensor) that now
         holds a tensor this call made: its forward stored it there."""
         made = made_since(first_op)
-        return next((holder for value in (*args[1:], *(kwargs or {}).values()) for holder in [_holder_of(value, made)]
+        return next((holder for value in (*args, *(kwargs or {}).values()) for holder in [_holder_of(value, made)]
                      if holder), "")
 
     def keeps(module: nn.Module, first_op: int) -> str:

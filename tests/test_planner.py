@@ -576,26 +576,28 @@ class _CollectingDecoder(_CachingDecoder):
     def forward(self, x):
         outputs: list[torch.Tensor] = []
         for layer in self.layers:
-            x = layer(x, outputs)
+            x = layer(x, outputs) if self.hand == "list" else layer(outputs, x)
         return x.square().mean() + sum(o.mean() for o in outputs)
 
 
 class _CollectingLayer(_CachingLayer):
     def forward(self, x, outputs):
+        if isinstance(x, list):  # called as layer(outputs, x)
+            x, outputs = outputs, x
         outputs.append(super().forward(x))
         return outputs[-1]
 
 
 def _decoder(hand: str):
     def build(batch_size: int = 8):
-        model = _CachingDecoder(hand) if hand != "list" else _CollectingDecoder(hand)
-        if hand == "list":
+        model = _CachingDecoder(hand) if hand not in ("list", "list first") else _CollectingDecoder(hand)
+        if hand in ("list", "list first"):
             model.layers = nn.ModuleList(_CollectingLayer(32, i) for i in range(3))
         return model, (torch.randn(batch_size, 16, 32),)
     return Workload(f"decoder-{hand}", build, 8, {})
 
 
-@pytest.mark.parametrize("hand, stored", [("cache", "_KeyCache"), ("list", "list")])
+@pytest.mark.parametrize("hand, stored", [("cache", "_KeyCache"), ("list", "list"), ("list first", "list")])
 def test_a_layer_that_stores_what_it_makes_into_an_argument_is_never_recomputed_whole(hand, stored):
     """Recomputed, such a layer would append to the cache again (keys twice as long): neither planner offers
     it, while its MLP, which reads no such argument, stays a candidate (of the selective chain too, without
