@@ -18,7 +18,6 @@ allocator measures on the planned model, whether the planned model's fp32 gradie
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 import warnings
@@ -31,11 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from tabulate import tabulate
 
-from memplan.emit import apply_plan
 from memplan.estimate import estimate
 from memplan.selective import plan_selective
-from memplan.step import StepConfig, loss_of
-from memplan.verify import measure
+from memplan.step import StepConfig
+from memplan.verify import gradients_equal, measure
 from memplan.workload import Workload
 
 BATCH, SEQ, VOCAB = 2, 32, 256
@@ -297,7 +295,7 @@ def plans(args: argparse.Namespace) -> None:
                 seconds = time.perf_counter() - started
                 plan = result.plan
                 measured = measure(workload, config, device="cpu", plan=plan).measured_peak_bytes if plan.feasible else None
-                grads = "-" if not plan.feasible or precision != "fp32" else "yes" if _gradients_equal(workload, plan) else "NO"
+                grads = "-" if not plan.feasible or precision != "fp32" else "yes" if gradients_equal(workload, plan) else "NO"
             except Exception as error:  # noqa: BLE001 - a row says what failed, the others still run
                 rows.append([name, precision, "-", "-", "-", "-", "-", "-", f"{type(error).__name__}: {str(error)[:80]}"])
                 continue
@@ -317,21 +315,6 @@ def plans(args: argparse.Namespace) -> None:
 def _segment(segment) -> str:
     modules = segment.modules[0] if len(segment.modules) == 1 else f"{segment.modules[0]}..{segment.modules[-1]}"
     return f"{modules}:{'full' if segment.policy == 'full' else len(segment.saved_ops)}"
-
-
-def _gradients_equal(workload: Workload, plan) -> bool:
-    """The planned model's fp32 gradients equal eager's, dropout masks drawn from the same seed."""
-    torch.manual_seed(0)
-    model, inputs = workload.build()
-    grads = []
-    for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
-        torch.manual_seed(123)
-        candidate.train()
-        loss_of(candidate(**inputs)).backward()
-        grads.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
-    eager, planned = grads
-    return eager.keys() == planned.keys() and all(
-        torch.allclose(planned[name], grad, rtol=1e-5, atol=1e-6) for name, grad in eager.items())
 
 
 if __name__ == "__main__":

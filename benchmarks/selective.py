@@ -30,7 +30,6 @@ machine hit all alike; the overhead is the median over --runs rounds of each rou
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import statistics
 import sys
@@ -51,7 +50,7 @@ from memplan.recompute_bound import least_recompute
 from memplan.selective import plan_overhead, plan_selective
 from memplan.step import StepConfig, prepare_step, run_steps
 from memplan.timing import CPU
-from memplan.verify import measure
+from memplan.verify import gradients_equal, measure
 from memplan.workload import resolve_workload
 from models import TINY_OVERRIDES
 
@@ -65,21 +64,6 @@ def workloads(names: list[str], batch: int):
             yield name, resolve_workload("gpt2", 8, GPT_D256)
         else:
             yield name, resolve_workload(name, batch, dict(TINY_OVERRIDES[name], n_layer=6))
-
-
-def gradients_equal_eager(workload, plan) -> bool:
-    """The planned model's fp32 gradients equal eager's, dropout masks drawn from the same seed."""
-    torch.manual_seed(0)
-    model, inputs = workload.build()
-    grads = []
-    for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
-        torch.manual_seed(123)
-        candidate.train()
-        candidate(*inputs).backward()
-        grads.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
-    eager, planned = grads
-    return eager.keys() == planned.keys() and all(
-        torch.allclose(planned[name], grad, rtol=1e-5, atol=1e-6) for name, grad in eager.items())
 
 
 def timed_rounds(workload, config, plans, runs: int) -> list[list[float]]:
@@ -157,7 +141,7 @@ def main() -> None:
                     if plan is not None and method != "block-level":
                         measured[method] = measure(workload, config, device="cpu", plan=plan).measured_peak_bytes
                 cpu_pct = dict(zip(plans, step_overheads(workload, config, list(fitting.values()), args.runs)))
-            grads = " ".join("-" if plan is None else "yes" if gradients_equal_eager(workload, plan) else "NO"
+            grads = " ".join("-" if plan is None else "yes" if gradients_equal(workload, plan) else "NO"
                              for plan in fitting.values())
             block_flops, block_gpu = plan_overhead(workload, config, block.plan, "cpu", args.gpu, cache)
             block_cpu_model = plan_overhead(workload, config, block.plan, "cpu", cpu, cache)[1]

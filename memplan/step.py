@@ -333,7 +333,7 @@ def run_steps(
             for _ in range(config.grad_accum):
                 on_phase("forward", step)
                 with autocast(device_type, precision.autocast_dtype) if precision.autocast_dtype else contextlib.nullcontext():
-                    output = _call(model, prepared.inputs)
+                    output = call_model(model, prepared.inputs)
                     loss = loss_of(output)
                 if not loss.requires_grad:
                     raise BadInput("the model's loss does not depend on any trainable parameter: no gradient "
@@ -375,5 +375,6 @@ def _optimizer_step(prepared: PreparedStep) -> bool:
     return applied
 
 
-def _call(model: nn.Module, inputs: tuple | dict) -> Any:
+def call_model(model: nn.Module, inputs: tuple | dict) -> Any:
+    """The model on its inputs: keyword arguments from a dict, positional ones from a tuple."""
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)

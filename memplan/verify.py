@@ -21,6 +21,7 @@ Nothing here prints: `measure`, `predict` and `compare` return dataclasses; the 
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib.util
 import inspect
@@ -37,7 +38,17 @@ from torch._C._profiler import _EventType
 from memplan.cpu_profiler import quiet_stderr
 from memplan.errors import BadInput, MemplanError
 from memplan.plan import Plan
-from memplan.step import PHASES, PreparedStep, StepConfig, collector_off, optimizer_rule, prepare_step, run_steps
+from memplan.step import (
+    PHASES,
+    PreparedStep,
+    StepConfig,
+    call_model,
+    collector_off,
+    loss_of,
+    optimizer_rule,
+    prepare_step,
+    run_steps,
+)
 from memplan.workload import Workload, same_model
 
 SEED = 0
@@ -199,6 +210,23 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
 
 # --------------------------------------------------------------------------------------------------
 # Measuring
+
+
+def gradients_equal(workload: Workload, plan: Plan, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    """Whether the planned model's parameter gradients equal eager's: one fp32 forward and backward on the
+    CPU of the built model and of a checkpointed copy of it, each from the same seed (dropout draws the
+    same masks), compared with torch.allclose."""
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    gradients = []
+    for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
+        torch.manual_seed(123)
+        candidate.train()
+        loss_of(call_model(candidate, inputs)).backward()
+        gradients.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
+    eager, planned = gradients
+    return eager.keys() == planned.keys() and all(
+        torch.allclose(planned[name], grad, rtol=rtol, atol=atol) for name, grad in eager.items())
 
 
 def measure(
