@@ -229,8 +229,9 @@ class ModuleCall:
     # transformers Cache appending its keys and values ("" where none): recomputed, it would store
     # them again (a cache twice as long), so the call cannot be checkpointed
     stores_into: str = ""
-    # the module's own attribute (not a parameter or buffer) in which the call kept a tensor it made
-    # ("" where none): RecurrentGemma's recurrent state, a lazily built cache (see Trace.stateful_modules)
+    # the module's own attribute (not a parameter or buffer) that the call set to another object or in
+    # which it kept a tensor it made ("" where none): RecurrentGemma's recurrent state, a call counter,
+    # a lazily built cache (see Trace.stateful_modules)
     keeps: str = ""
 
 
@@ -260,9 +261,9 @@ class Trace:
 
     @functools.cached_property
     def stateful_modules(self) -> dict[str, str]:
-        """Modules that keep a tensor they made in an attribute at every call, path -> attribute: recomputed,
-        such a module would read a state its forward changed. Calls after the first step tell them from a
-        cache built once (the first step's first call builds it, later calls only read it)."""
+        """Modules that change an attribute of theirs at every call (ModuleCall.keeps), path -> attribute:
+        recomputed, such a module would read a state its forward changed. Calls after the first step tell
+        them from a cache built once (the first step's first call builds it, later calls only read it)."""
         last = max((c.step for c in self.calls), default=0)
         return {c.path: c.keeps for c in self.calls if c.keeps and c.phase == "forward" and c.step == last}
 
@@ -586,7 +587,8 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
 def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall]) -> Iterator[None]:
     """Track which submodule is running (global hooks: they also see recomputation in backward)."""
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    open_calls: list[tuple[str, int, tuple[int, ...], int]] = []
+    # (path, first op, input storages, when it opened, its own attributes as the call began)
+    open_calls: list[tuple[str, int, tuple[int, ...], int, dict[str, Any]]] = []
     hooks_run = itertools.count()
 
     def tensor_ids(value: Any) -> tuple[int, ...]:
@@ -624,23 +626,28 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         return next((holder for value in (*args, *(kwargs or {}).values()) for holder in [_holder_of(value, made)]
                      if holder), "")
 
-    def keeps(module: nn.Module, first_op: int) -> str:
-        """The first attribute of `module` (not one nn.Module itself sets) that holds a tensor this call made."""
+    def own_attributes(module: nn.Module) -> dict[str, Any]:
+        return {name: value for name, value in vars(module).items() if name not in _MODULE_ATTRIBUTES}
+
+    def keeps(module: nn.Module, first_op: int, before: dict[str, Any]) -> str:
+        """The first attribute of `module` (not one nn.Module itself sets) that the call set to another
+        object (a counter, a new state) or that holds a tensor the call made (a list it appends to)."""
         made = made_since(first_op)
-        return next((name for name, value in vars(module).items() if name not in _MODULE_ATTRIBUTES
-                     and (made(value) if isinstance(value, torch.Tensor) else _holder_of(value, made))), "")
+        return next((name for name, value in own_attributes(module).items()
+                     if name not in before or before[name] is not value
+                     or (made(value) if isinstance(value, torch.Tensor) else _holder_of(value, made))), "")
 
     def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None:
             recorder.module_stack.append(path)
-            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run)))
+            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run), own_attributes(module)))
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None and open_calls and open_calls[-1][0] == path:
             recorder.module_stack.pop()
-            _, first, inputs, opened = open_calls.pop()
+            _, first, inputs, opened, attributes = open_calls.pop()
             # global pre-hooks get no keyword arguments: the tensors passed by keyword (an attention
             # mask, encoder states) are added here, after the positional ones
             inputs = inputs + tuple(sid for sid in tensor_ids(kwargs) if sid not in inputs)
@@ -648,7 +655,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
                 ModuleCall(
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
                     tensor_ids(output), arguments(args, kwargs), id(args[0]) if args else 0, id(output),
-                    opened, next(hooks_run), stores_into(args, kwargs, first), keeps(module, first),
+                    opened, next(hooks_run), stores_into(args, kwargs, first), keeps(module, first, attributes),
                 )
             )
 
