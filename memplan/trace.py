@@ -587,8 +587,8 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
 def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall]) -> Iterator[None]:
     """Track which submodule is running (global hooks: they also see recomputation in backward)."""
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    # (path, first op, input storages, when it opened, its own attributes as the call began)
-    open_calls: list[tuple[str, int, tuple[int, ...], int, dict[str, Any]]] = []
+    # (path, first op, input storages, when it opened, its own attributes as the call began: ModuleCall.keeps)
+    open_calls: list[tuple[str, int, tuple[int, ...], int, dict[str, int]]] = []
     hooks_run = itertools.count()
 
     def tensor_ids(value: Any) -> tuple[int, ...]:
@@ -629,19 +629,24 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
     def own_attributes(module: nn.Module) -> dict[str, Any]:
         return {name: value for name, value in vars(module).items() if name not in _MODULE_ATTRIBUTES}
 
-    def keeps(module: nn.Module, first_op: int, before: dict[str, Any]) -> str:
+    def identities(module: nn.Module) -> dict[str, int]:
+        """What the module's own attributes are bound to, by identity: holding the objects themselves would
+        keep a tensor alive that eager frees during the call (the weight old-style weight_norm replaces)."""
+        return {name: id(value) for name, value in own_attributes(module).items()}
+
+    def keeps(module: nn.Module, first_op: int, before: dict[str, int]) -> str:
         """The first attribute of `module` (not one nn.Module itself sets) that the call set to another
         object (a counter, a new state) or that holds a tensor the call made (a list it appends to)."""
         made = made_since(first_op)
         return next((name for name, value in own_attributes(module).items()
-                     if name not in before or before[name] is not value
+                     if before.get(name) != id(value)
                      or (made(value) if isinstance(value, torch.Tensor) else _holder_of(value, made))), "")
 
     def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None:
             recorder.module_stack.append(path)
-            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run), own_attributes(module)))
+            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run), identities(module)))
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
         path = paths.get(id(module))
