@@ -245,6 +245,8 @@ def main() -> None:
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:
         parser.error(f"unknown model {unknown[0]!r}; expected some of: {', '.join(MODELS)}")
+    if args.plan is not None and not 0 < args.plan <= 1:
+        parser.error(f"--plan takes a fraction of the unplanned peak in (0, 1], got {args.plan}")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     try:

@@ -287,8 +287,8 @@ def unsafe_reason(
     stateful = next((path for path in trace.stateful_modules for m in members
                      if path == m.path or path.startswith(m.path + ".")), None)
     if stateful is not None:
-        return (f"{stateful or 'the model'} keeps a tensor it makes in its attribute "
-                f"{trace.stateful_modules[stateful]!r} at every call: recomputed, it would read a changed state")
+        return (f"{stateful or 'the model'} changes its attribute {trace.stateful_modules[stateful]!r} at every "
+                "call: recomputed, it would read what its forward left there")
     approximate_ops = set(trace.approximate_ops)
     if approximate_ops and any(op.name in approximate_ops for op in trace.ops[call.first_op : (last or call).end_op]):
         return "has outputs with data-dependent shapes"

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,9 +24,13 @@ def test_every_benchmark_starts():
         assert result.returncode == 0, f"{script.name}: {result.stderr.strip().splitlines()[-1:]}"
 
 
-def test_a_benchmark_rejects_an_unknown_model_in_one_line():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_architectures.py"), "--models", "t5,nope"],
+@pytest.mark.parametrize("options, message", [
+    (["--models", "t5,nope"], "error: unknown model 'nope'; expected some of: t5, bart"),
+    (["--plan", "1.5"], "error: --plan takes a fraction of the unplanned peak in (0, 1], got 1.5"),
+])
+def test_a_benchmark_rejects_bad_options_in_one_line(options, message):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_architectures.py"), *options],
                             capture_output=True, text=True, check=False, cwd=ROOT)
     assert result.returncode == 2  # argparse's usage error
     assert "Traceback" not in result.stderr
-    assert "error: unknown model 'nope'; expected some of: t5, bart" in result.stderr.strip().splitlines()[-1]
+    assert message in result.stderr.strip().splitlines()[-1]
