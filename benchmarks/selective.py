@@ -1,6 +1,6 @@
 """Selective recompute vs the block-level optimal plan, at budgets of 30..70% of the unplanned peak.
 
-    python benchmarks/selective.py [--models gpt2,llama2-7b,gpt-d256] [--fracs 0.3,0.4,0.5,0.6,0.7]
+    python benchmarks/selective.py [--models gpt2,llama2-7b,gpt-d256,llama-d256] [--fracs 0.3,0.4,0.5,0.6,0.7]
                                    [--objective seconds] [--gpu h100] [--runs 10] [--threads 2] [--no-measure]
                                    [--builtin-cpu-model]
 
@@ -19,7 +19,12 @@ plan needs (memplan.recompute_bound: FLOPs %, roofline GPU %, modelled CPU % wit
 time, each a proven lower bound on that measure); the planning time (all DP
 solves; a cold GPU-priced plan_selective call without baseline: estimator runs, the unplanned one
 included; how many plans the estimator ran on and how many memplan.replay replayed) and the DP's
-optimality gap over its policy families.
+optimality gap over its policy families. Where a plan does not fit, the line under the table gives
+the peak floor (memplan.planner.Floor) and whether it proves that no checkpoint plan can.
+
+Models: gpt2 and llama2-7b at the zoo's tiny sizes with 6 layers (d 64, 32 tokens), batch --batch;
+gpt-d256, the issue's 6-layer GPT (d 256, 8 heads, 128 tokens, vocab 1000, batch 8); llama-d256, the
+Llama family at that shape.
 
 CPU step time: one fp32 SGD step of the real model, --threads threads. The unplanned and planned
 models take turns, step by step (the order rotating each round), so that drift and other load on the
@@ -55,6 +60,8 @@ from memplan.workload import resolve_workload
 from models import TINY_OVERRIDES
 
 GPT_D256 = {"n_layer": 6, "n_embd": 256, "n_head": 8, "seq_len": 128, "vocab_size": 1000, "block_size": 128}
+# the Llama family at the reference GPT's shape (SwiGLU's width in llama2-7b's proportion: 11008 / 4096 x 256)
+LLAMA_D256 = {"n_layer": 6, "n_embd": 256, "n_head": 8, "n_kv_head": 8, "ffn_dim": 688, "seq_len": 128, "vocab_size": 1000}
 OP_LEVEL_REFERENCE = {0.3: 20.2, 0.4: 15.6, 0.5: 11.1, 0.6: 7.0, 0.7: 3.9}  # simulated time overhead %
 
 
@@ -62,6 +69,8 @@ def workloads(names: list[str], batch: int):
     for name in names:
         if name == "gpt-d256":
             yield name, resolve_workload("gpt2", 8, GPT_D256)
+        elif name == "llama-d256":
+            yield name, resolve_workload("llama2-7b", 8, LLAMA_D256)
         else:
             yield name, resolve_workload(name, batch, dict(TINY_OVERRIDES[name], n_layer=6))
 
@@ -100,7 +109,7 @@ def step_overheads(workload, config, plans, runs: int) -> list[float | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt2,llama2-7b,gpt-d256")
+    parser.add_argument("--models", default="gpt2,llama2-7b,gpt-d256,llama-d256")
     parser.add_argument("--fracs", default="0.3,0.4,0.5,0.6,0.7")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--objective", default="seconds")
@@ -132,7 +141,7 @@ def main() -> None:
             for method, plan in plans.items():
                 if not plan.feasible:
                     infeasible.append(f"{name} {int(frac * 100)}%: {method} no fit (smallest peak reached "
-                                      f"{plan.predicted_peak_bytes} > budget {budget})")
+                                      f"{plan.predicted_peak_bytes} > budget {budget}; {_floor(cold.floor, budget)})")
             fitting = {method: plan if plan.feasible else None for method, plan in plans.items()}
             measured = {method: None for method in plans}
             cpu_pct = {method: None for method in plans}
@@ -173,6 +182,12 @@ def main() -> None:
     print("\nno fit:" if infeasible else "\nno fit: none")
     for line in infeasible:
         print("  " + line)
+
+
+def _floor(floor, budget: int) -> str:
+    """Whether the peak floor (memplan.planner.Floor) proves that no checkpoint plan fits."""
+    verdict = "no checkpoint plan fits" if floor.peak_bytes > budget else "proves nothing"
+    return f"floor {floor.peak_bytes} at {floor.op}: {verdict}"
 
 
 def _pct(value: float | None, fits: bool) -> str:
