@@ -3,6 +3,7 @@ predicted peak (memplan.estimate) against the CPU allocator's own events (mempla
 
     pip install transformers   # not a memplan dependency; models are built from configs, nothing is downloaded
     python benchmarks/hf_architectures.py [--models t5,mixtral,...] [--precisions fp32,bf16] [--optimizer adamw]
+                                          [--grad-accum 1]
                                           [--plan 0.7 [--batch 16]]
 
 One row per model and precision: the predicted and measured peaks, the error, each phase's difference
@@ -238,6 +239,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--plan", type=float, default=None, metavar="FRACTION")
     parser.add_argument("--batch", type=int, default=None, help="the batch size (default: each model's own, 2)")
@@ -245,6 +247,8 @@ def main() -> None:
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:
         parser.error(f"unknown model {unknown[0]!r}; expected some of: {', '.join(MODELS)}")
+    if args.grad_accum < 1:
+        parser.error(f"--grad-accum must be at least 1, got {args.grad_accum}")
     if args.plan is not None and not 0 < args.plan <= 1:
         parser.error(f"--plan takes a fraction of the unplanned peak in (0, 1], got {args.plan}")
     torch.set_num_threads(args.threads)
@@ -263,7 +267,7 @@ def main() -> None:
         for precision in args.precisions.split(","):
             started = time.perf_counter()
             workload = Workload(name, MODELS[name], args.batch, {})
-            config = StepConfig(precision=precision, optimizer=args.optimizer, steps=2)
+            config = StepConfig(precision=precision, optimizer=args.optimizer, grad_accum=args.grad_accum, steps=2)
             try:
                 predicted = estimate(workload, config, device="cpu")
                 measured = measure(workload, config, device="cpu")
@@ -288,7 +292,7 @@ def plans(args: argparse.Namespace) -> None:
     for name in args.models.split(","):
         for precision in args.precisions.split(","):
             workload = Workload(name, MODELS[name], args.batch, {})
-            config = StepConfig(precision=precision, optimizer=args.optimizer, steps=2)
+            config = StepConfig(precision=precision, optimizer=args.optimizer, grad_accum=args.grad_accum, steps=2)
             try:
                 unplanned = estimate(workload, config, device="cpu")
                 budget = int(args.plan * unplanned.peak_bytes)

@@ -18,6 +18,7 @@ through a callback so that the caller can measure or tag what happens in between
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -301,6 +302,31 @@ def collector_off() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+# Packages whose functools caches hold no tensor of a step: torch's, and memplan's own.
+_CACHES_WITHOUT_STEP_TENSORS = frozenset({"torch", "functorch", "memplan"})
+
+
+@contextlib.contextmanager
+def model_caches_emptied_after() -> Iterator[None]:
+    """What the model's code memoised while steps ran (a functools cache: transformers' BEiT caches its
+    relative position index, a tensor) would be handed to the next run in the process, traced or real,
+    made before it began: that run would count it nowhere (and a traced run's fake tensor would fail a
+    real one). Afterwards, every such cache that gained entries is emptied, so each run, the tracer's
+    and the verifier's alike, makes what it caches as a fresh process would."""
+    def model_caches() -> dict[Any, int]:
+        return {cache: cache.cache_info().currsize for cache in gc.get_objects()
+                if type(cache) is functools._lru_cache_wrapper  # isinstance would wake deprecated proxies
+                and str(getattr(cache, "__module__", "")).partition(".")[0] not in _CACHES_WITHOUT_STEP_TENSORS}
+
+    before = model_caches()
+    try:
+        yield
+    finally:
+        for cache, size in model_caches().items():
+            if size > before.get(cache, 0):
+                cache.cache_clear()
 
 
 def default_autocast(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:

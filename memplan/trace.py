@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import itertools
 import math
 import sys
@@ -39,7 +38,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from memplan.step import PreparedStep, StepConfig, prepare_step, run_steps
+from memplan.step import PreparedStep, StepConfig, model_caches_emptied_after, prepare_step, run_steps
 from memplan.workload import Workload
 
 ROLES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
@@ -1155,26 +1154,6 @@ def _fake_tensors_to_numpy(recorder: _Recorder) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _model_caches_emptied_after() -> Iterator[None]:
-    """What the model's code memoised while the step was traced (a functools cache: transformers'
-    BEiT caches its relative position index, a tensor) holds fake tensors: a real step later in the
-    process would get them back instead of making its own. Afterwards, every such cache that gained
-    entries is emptied (torch's and memplan's own hold no tensors of the step)."""
-    def model_caches() -> dict[Any, int]:
-        return {cache: cache.cache_info().currsize for cache in gc.get_objects()
-                if type(cache) is functools._lru_cache_wrapper  # isinstance would wake deprecated proxies
-                and str(getattr(cache, "__module__", "")).partition(".")[0] not in _SEES_FAKE}
-
-    before = model_caches()
-    try:
-        yield
-    finally:
-        for cache, size in model_caches().items():
-            if size > before.get(cache, 0):
-                cache.cache_clear()
-
-
-@contextlib.contextmanager
 def _deepcopy_shares_fake_mode() -> Iterator[None]:
     """`copy.deepcopy` of a fake tensor (nn.TransformerEncoder cloning its layer, an EMA copy of a
     model) deep-copies the tensor's `fake_mode` attribute too, and with it the mode's memo of weak
@@ -1255,7 +1234,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     recorder = _Recorder(rules)
     calls: list[ModuleCall] = []
     shadows = _ConstantShadows()
-    with _model_caches_emptied_after(), FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
+    with model_caches_emptied_after(), FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
             _fake_parameters_swap(shadows.values.real, shadows.guessed):
         with shadows:
             model, inputs = workload.build()

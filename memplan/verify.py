@@ -45,6 +45,7 @@ from memplan.step import (
     call_model,
     collector_off,
     loss_of,
+    model_caches_emptied_after,
     optimizer_rule,
     prepare_step,
     run_steps,
@@ -217,13 +218,14 @@ def gradients_equal(workload: Workload, plan: Plan, rtol: float = 1e-5, atol: fl
     CPU of the built model and of a checkpointed copy of it, each from the same seed (dropout draws the
     same masks), compared with torch.allclose."""
     torch.manual_seed(0)
-    model, inputs = workload.build()
     gradients = []
-    for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
-        torch.manual_seed(123)
-        candidate.train()
-        loss_of(call_model(candidate, inputs)).backward()
-        gradients.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
+    with model_caches_emptied_after():
+        model, inputs = workload.build()
+        for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
+            torch.manual_seed(123)
+            candidate.train()
+            loss_of(call_model(candidate, inputs)).backward()
+            gradients.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
     eager, planned = gradients
     return eager.keys() == planned.keys() and all(
         torch.allclose(planned[name], grad, rtol=rtol, atol=atol) for name, grad in eager.items())
@@ -251,10 +253,11 @@ def measure(
         snapshot = Path(snapshot)
         if not (snapshot.parent if str(snapshot.parent) else Path(".")).is_dir():
             raise BadInput(f"directory not found: {snapshot.parent}")
-    if cuda:
-        with torch.cuda.device(torch.device(device)):
-            return _measure_cuda(workload, config, device, plan, snapshot, foreach)
-    return _measure_cpu(workload, config, plan, foreach)
+    with model_caches_emptied_after():
+        if cuda:
+            with torch.cuda.device(torch.device(device)):
+                return _measure_cuda(workload, config, device, plan, snapshot, foreach)
+        return _measure_cpu(workload, config, plan, foreach)
 
 
 def _prepare(

@@ -27,6 +27,7 @@ def test_every_benchmark_starts():
 @pytest.mark.parametrize("options, message", [
     (["--models", "t5,nope"], "error: unknown model 'nope'; expected some of: t5, bart"),
     (["--plan", "1.5"], "error: --plan takes a fraction of the unplanned peak in (0, 1], got 1.5"),
+    (["--grad-accum", "0"], "error: --grad-accum must be at least 1, got 0"),
 ])
 def test_a_benchmark_rejects_bad_options_in_one_line(options, message):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_architectures.py"), *options],
