@@ -7,8 +7,10 @@ predicted peak (memplan.estimate) against the CPU allocator's own events (mempla
                                           [--plan 0.7 [--batch 16]]
 
 One row per model and precision: the predicted and measured peaks, the error, each phase's difference
-(predicted - measured, bytes) and the ops whose data-dependent results the estimate assumed. Random
-layer skipping (layerdrop) is off: the estimate assumes every layer runs.
+(predicted - measured, bytes), the ops whose data-dependent results the estimate assumed, and the updates
+the real step's GradScaler skipped (inf/NaN gradients at every loss scale: the optimizer state is never
+made, which the estimate, blind to values, assumes is). Random layer skipping (layerdrop) is off: the
+estimate assumes every layer runs.
 
 --plan FRACTION: instead, a selective checkpoint plan (memplan.selective.plan_selective, priced on the CPU)
 for a budget of FRACTION of the predicted unplanned peak: the plan's predicted peak, the peak the CPU
@@ -272,7 +274,7 @@ def main() -> None:
                 predicted = estimate(workload, config, device="cpu")
                 measured = measure(workload, config, device="cpu")
             except Exception as error:  # noqa: BLE001 - a row says what failed, the others still run
-                rows.append([name, precision, "-", "-", "-", f"{type(error).__name__}: {str(error)[:80]}", "", ""])
+                rows.append([name, precision, "-", "-", "-", f"{type(error).__name__}: {str(error)[:80]}", "", "", ""])
                 continue
             compared += 1
             differences = {phase: predicted.phase_peaks.get(phase, 0) - measured.phase_peaks.get(phase, 0)
@@ -281,9 +283,10 @@ def main() -> None:
             error = 100 * (predicted.peak_bytes - measured.measured_peak_bytes) / measured.measured_peak_bytes
             rows.append([name, precision, predicted.peak_bytes, measured.measured_peak_bytes, f"{error:+.3f}",
                          " ".join(f"{phase[0]}{diff:+d}" for phase, diff in differences.items()),
-                         ",".join(predicted.approximate_ops), f"{time.perf_counter() - started:.1f}"])
+                         ",".join(predicted.approximate_ops), measured.skipped_updates or "",
+                         f"{time.perf_counter() - started:.1f}"])
     print(tabulate(rows, headers=["model", "precision", "predicted B", "measured B", "error %",
-                                  "phase differences B (f/b/o)", "assumed ops", "s"]))
+                                  "phase differences B (f/b/o)", "assumed ops", "skipped updates", "s"]))
     print(f"\n{exact}/{compared} compared rows exact in every phase")
 
 
