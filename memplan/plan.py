@@ -1,9 +1,10 @@
 """A checkpoint plan: which segments of the model recompute their activations in backward.
 
 This is the one type that solvers return, `plan.json` holds, the emitter turns into code and the
-verifier applies. A segment is one module, or a run of consecutive sibling modules (children of an
-nn.Sequential, or blocks an nn.ModuleList calls in a loop) checkpointed as one unit: only the
-segment's input is kept, everything inside is recomputed during backward.
+verifier applies. A segment is one module, or a run of sibling modules that their parent calls one
+after the other, each on the previous one's output (children of an nn.Sequential, blocks an
+nn.ModuleList calls in a loop), listed in call order and checkpointed as one unit: only the segment's
+input is kept, everything inside is recomputed during backward.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ PLAN_FORMAT = 1
 
 @dataclass(frozen=True)
 class Segment:
-    # module paths as in model.named_modules(); several paths = a run of consecutive siblings
+    # module paths as in model.named_modules(); several paths = a run of siblings, in call order
     modules: tuple[str, ...]
     # "full": recompute everything inside; "selective": keep the outputs of `saved_ops`, each an aten op
     # ("aten.mm.default": all its calls) or one call of it ("aten.mm.default#2": its third in one forward)

@@ -151,7 +151,6 @@ def nested_candidates(
     )
     writers = in_place_writers(trace) if writers is None else writers
     unsafe = {c.path: unsafe_reason(trace, writers, c, root.end_op) for c in inside}
-    position = sibling_positions(trace)
 
     def activation_bytes(storages) -> int:
         return _activation_bytes(trace, storages, block_bytes)
@@ -205,7 +204,7 @@ def nested_candidates(
         last = len(leaves) - 1
         if call.path and not unsafe[call.path]:
             add_span(first, last, call, call, (call.path,))
-        for start, end in chained_runs(children, position):
+        for start, end in chained_runs(children):
             if not unsafe_reason(trace, writers, children[start], root.end_op, children[end]):
                 paths = tuple(c.path for c in children[start : end + 1])
                 add_span(ranges[start][0], ranges[end][1], children[start], children[end], paths)
@@ -219,44 +218,29 @@ def _preference(span: Span) -> tuple[int, int, int]:
     return span.saved_bytes - span.input_bytes, -len(span.paths), -len(span.paths[0])
 
 
-def sibling_positions(trace: Trace) -> dict[str, int]:
-    """Each module's place among its parent's children, in registration order (see joins_run)."""
-    position: dict[str, int] = {}
-    children_seen: dict[str, int] = {}
-    for path in trace.module_types:  # named_modules order
-        parent = path.rpartition(".")[0]
-        if path:
-            position[path] = children_seen.get(parent, 0)
-            children_seen[parent] = position[path] + 1
-    return position
-
-
-def joins_run(
-    previous: ModuleCall, member: ModuleCall, head: ModuleCall, position: dict[str, int]
-) -> bool:
-    """Whether `member` may extend a run that ends with `previous` (emit.py's runs): siblings registered one
-    after the other, the parent calling `member` right after `previous` (no op between) on its output and
-    with the run's other tensor arguments."""
-    parent = head.path.rpartition(".")[0]
+def joins_run(previous: ModuleCall, member: ModuleCall, head: ModuleCall) -> bool:
+    """Whether `member` may extend a run that ends with `previous` (emit.py's runs): a sibling that the parent
+    calls right after `previous` (no op between) on its output and with the run's other tensor arguments,
+    whatever order the parent registered them in (BART's and OPT's layers register `activation_fn` before
+    `fc1` and call it between `fc1` and `fc2`)."""
     return (
-        member.path.rpartition(".")[0] == parent
-        and position.get(member.path, -2) == position.get(previous.path, -3) + 1
+        member.path.rpartition(".")[0] == head.path.rpartition(".")[0]
         and member.first_op == previous.end_op
         and _chained(previous, member)
         and member.inputs[1:] == head.inputs[1:]
     )
 
 
-def chained_runs(children: Sequence[ModuleCall | None], position: dict[str, int],
+def chained_runs(children: Sequence[ModuleCall | None],
                  usable: Callable[[ModuleCall], bool] = lambda call: True) -> Iterator[tuple[int, int]]:
-    """(start, end) of every run of two or more consecutive `children`, each fed the previous one
-    (joins_run). A None child (ops the parent runs between its children) or an unusable one ends a run."""
+    """(start, end) of every run of two or more consecutive `children` (in call order), each fed the previous
+    one (joins_run). A None child (ops the parent runs between its children) or an unusable one ends a run."""
     for start, head in enumerate(children):
         if head is None or not usable(head):
             continue
         for end in range(start + 1, len(children)):
             member = children[end]
-            if member is None or not usable(member) or not joins_run(children[end - 1], member, head, position):
+            if member is None or not usable(member) or not joins_run(children[end - 1], member, head):
                 break
             yield start, end
 

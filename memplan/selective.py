@@ -82,7 +82,6 @@ from memplan.planner import (
     in_place_writers,
     peak_floor,
     plan_checkpoints,
-    sibling_positions,
     unsafe_reason,
 )
 from memplan.replay import RNG_STATE_BYTES, Timeline, casts_weight, estimate_replayed
@@ -397,13 +396,11 @@ class _Safety:
     forward_end: int
     passes: int
     calls_per_path: dict[str, int]
-    position: dict[str, int]
 
     @classmethod
     def of(cls, trace: Trace) -> _Safety:
         forward_end = max((c.end_op for c in trace.calls if c.phase == "forward" and c.step == 0), default=0)
-        return cls(trace, in_place_writers(trace), forward_end, forward_passes(trace), forward_calls_per_path(trace),
-                   sibling_positions(trace))
+        return cls(trace, in_place_writers(trace), forward_end, forward_passes(trace), forward_calls_per_path(trace))
 
     def once(self, call: ModuleCall) -> bool:
         return self.calls_per_path[call.path] <= self.passes
@@ -465,7 +462,7 @@ def _sub_blocks(trace: Trace, block: BlockProfile, safety: _Safety, activations:
             parts.append(SubBlock(i, i, (), first_op, end_op,
                                   _kept_unit(trace, path, f"{block.group}/{i}", first_op, end_op, held, block_bytes)))
     children = [child for _, _, child in pieces]
-    for start, end in chained_runs(children, safety.position, safety.once):
+    for start, end in chained_runs(children, safety.once):
         head, member = children[start], children[end]
         if (start, end) != (0, len(pieces) - 1) and safety.allows(head, member):  # all of it: the block
             paths = tuple(child.path for child in children[start : end + 1])
