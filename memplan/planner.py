@@ -268,6 +268,11 @@ def unsafe_reason(
         # transformers' models hand their layers a cache in training too, unless built with use_cache=False
         hint = " (a transformers model: build it with use_cache=False)" if stored.endswith("Cache") else ""
         return f"its forward stores tensors it makes into its {stored} argument: recomputed, it would store them again{hint}"
+    drawing = next((path for path in trace.host_random_modules for m in members
+                    if path == m.path or path.startswith(m.path + ".")), None)
+    if drawing is not None:
+        return (f"{drawing or 'the model'} draws from {trace.host_random_modules[drawing]}'s generator at every call: "
+                "checkpointing restores only torch's generators, so its recomputation would draw other numbers")
     stateful = next((path for path in trace.stateful_modules for m in members
                      if path == m.path or path.startswith(m.path + ".")), None)
     if stateful is not None:

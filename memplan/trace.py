@@ -18,6 +18,7 @@ import contextlib
 import functools
 import itertools
 import math
+import random
 import sys
 import types
 import weakref
@@ -232,6 +233,9 @@ class ModuleCall:
     # which it kept a tensor it made ("" where none): RecurrentGemma's recurrent state, a call counter,
     # a lazily built cache (see Trace.stateful_modules)
     keeps: str = ""
+    # the host generator ("random", "numpy.random"; "" where none) the call drew from before it seeded it,
+    # if it did (see Trace.host_random_modules)
+    draws_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -265,6 +269,16 @@ class Trace:
         them from a cache built once (the first step's first call builds it, later calls only read it)."""
         last = max((c.step for c in self.calls), default=0)
         return {c.path: c.keeps for c in self.calls if c.keeps and c.phase == "forward" and c.step == last}
+
+    @functools.cached_property
+    def host_random_modules(self) -> dict[str, str]:
+        """Modules that draw from a host generator (ModuleCall.draws_from) at every call, path -> generator:
+        checkpointing restores only torch's generators, so their recomputation would draw other numbers.
+        A call that seeds the generator before it draws (BigBird's block-sparse attention:
+        `np.random.seed(seed)`) draws the same numbers again and is not counted; nor, as for
+        stateful_modules, is a call that draws only in the first step."""
+        last = max((c.step for c in self.calls), default=0)
+        return {c.path: c.draws_from for c in self.calls if c.draws_from and c.phase == "forward" and c.step == last}
 
     def first_forward_call(self, path: str) -> ModuleCall:
         """The first call of module `path` in step 0's forward (what the planners profile a block by)."""
@@ -586,8 +600,10 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
 def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall]) -> Iterator[None]:
     """Track which submodule is running (global hooks: they also see recomputation in backward)."""
     paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    # (path, first op, input storages, when it opened, its own attributes as the call began: ModuleCall.keeps)
-    open_calls: list[tuple[str, int, tuple[int, ...], int, dict[str, int]]] = []
+    # (path, first op, input storages, when it opened, its own attributes as the call began (ModuleCall.keeps),
+    # the host generators' states then and how many seedings came before (ModuleCall.draws_from))
+    open_calls: list[tuple[str, int, tuple[int, ...], int, dict[str, int], tuple[dict[str, int], int]]] = []
+    seedings: list[tuple[str, int]] = []  # (generator, its state just before it was seeded), in order
     hooks_run = itertools.count()
 
     def tensor_ids(value: Any) -> tuple[int, ...]:
@@ -641,17 +657,27 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
                      if before.get(name) != id(value)
                      or (made(value) if isinstance(value, torch.Tensor) else _holder_of(value, made))), "")
 
+    def draws_from(start: dict[str, int], seeded_before: int) -> str:
+        """The first host generator whose state the call changed other than by seeding it first: where its
+        first seeding inside the call found the state the call began with, nothing was drawn before it."""
+        for name, state in _host_generator_states().items():
+            first_seeding = next((before for generator, before in seedings[seeded_before:] if generator == name), None)
+            if state != start.get(name) and first_seeding != start.get(name):
+                return name
+        return ""
+
     def pre(module: nn.Module, args: Any, kwargs: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None:
             recorder.module_stack.append(path)
-            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run), identities(module)))
+            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run), identities(module),
+                               (_host_generator_states(), len(seedings))))
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None and open_calls and open_calls[-1][0] == path:
             recorder.module_stack.pop()
-            _, first, inputs, opened, attributes = open_calls.pop()
+            _, first, inputs, opened, attributes, generators = open_calls.pop()
             # global pre-hooks get no keyword arguments: the tensors passed by keyword (an attention
             # mask, encoder states) are added here, after the positional ones
             inputs = inputs + tuple(sid for sid in tensor_ids(kwargs) if sid not in inputs)
@@ -660,9 +686,23 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
                     tensor_ids(output), arguments(args, kwargs), id(args[0]) if args else 0, id(output),
                     opened, next(hooks_run), stores_into(args, kwargs, first), keeps(module, first, attributes),
+                    draws_from(*generators),
                 )
             )
 
+    def seeding(name: str, seed: Callable[..., Any]) -> Callable[..., Any]:
+        """`seed` of a host generator, which first notes the state it found (see draws_from)."""
+        def seeded(*args: Any, **kwargs: Any) -> Any:
+            seedings.append((name, _host_generator_states()[name]))
+            return seed(*args, **kwargs)
+
+        return seeded
+
+    numpy = sys.modules.get("numpy")
+    seeds = [(random, "random"), *([(numpy.random, "numpy.random")] if numpy is not None else [])]
+    originals = [(module, module.seed) for module, _ in seeds]
+    for module, name in seeds:
+        module.seed = seeding(name, module.seed)
     handles = [
         nn.modules.module.register_module_forward_pre_hook(lambda m, a: pre(m, a)),
         # always_call: checkpointing stops a recomputation by raising inside a module; its scope still ends
@@ -674,6 +714,20 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
     finally:
         for handle in handles:
             handle.remove()
+        for module, seed in originals:
+            module.seed = seed
+
+
+def _host_generator_states() -> dict[str, int]:
+    """Hashes of the states of the host's global generators that a model's Python code may draw from:
+    Python's `random` and, where imported, NumPy's legacy `numpy.random` (wav2vec 2.0 draws its time
+    masks there, BigBird its random attention blocks)."""
+    states = {"random": hash(random.getstate())}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        _, keys, position, *_ = numpy.random.get_state()
+        states["numpy.random"] = hash((position, keys.tobytes()))
+    return states
 
 
 _MODULE_ATTRIBUTES = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own, and a checkpoint's wrapper

@@ -25,12 +25,14 @@ import copy
 import gc
 import importlib.util
 import inspect
+import random
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch._C._profiler import _EventType
@@ -215,14 +217,17 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
 
 def gradients_equal(workload: Workload, plan: Plan, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
     """Whether the planned model's parameter gradients equal eager's: one fp32 forward and backward on the
-    CPU of the built model and of a checkpointed copy of it, each from the same seed (dropout draws the
-    same masks), compared with torch.allclose."""
+    CPU of the built model and of a checkpointed copy of it, each from the same seeds (dropout draws the
+    same masks; so does code drawing from Python's or NumPy's generator, where nothing recomputes it),
+    compared with torch.allclose."""
     torch.manual_seed(0)
     gradients = []
     with model_caches_emptied_after():
         model, inputs = workload.build()
         for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
             torch.manual_seed(123)
+            random.seed(123)
+            np.random.seed(123)
             candidate.train()
             loss_of(call_model(candidate, inputs)).backward()
             gradients.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})

@@ -3,9 +3,11 @@ CPU allocator on the emitted model."""
 
 import json
 import math
+import random
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -722,4 +724,63 @@ def test_a_stateful_layer_checkpointed_by_hand_gets_wrong_gradients():
                    method="by hand", segments=(Segment(("0",)),), feasible=True, budget_bytes=None,
                    predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=1)
     assert not gradients_equal(workload, by_hand)
+    assert gradients_equal(workload, replace(by_hand, segments=(Segment(("1",)),)))  # the Linear after it
+
+
+class _NoisyLayer(nn.Module):
+    """Scales its MLP's input by a factor drawn at every call, from `source`'s generator (stochastic depth
+    or noise written with Python's `random`, or NumPy's; "seeded": Python's, seeded first). The MLP saves the
+    scaled input for backward."""
+
+    def __init__(self, source: str, width: int = 32):
+        super().__init__()
+        self.source = source
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        if self.source == "torch":
+            factor = 1 + 0.5 * torch.rand(1)
+        elif self.source == "seeded":  # seeds the generator itself first, as BigBird's attention does
+            random.seed(7)
+            factor = 1 + 0.5 * random.random()
+        else:
+            factor = 1 + 0.5 * (random.random() if self.source == "random" else float(np.random.rand()))
+        return x + self.mlp(x * factor)
+
+
+def _noisy(source: str, batch: int) -> Workload:
+    layers = lambda: (m for _ in range(3) for m in (_NoisyLayer(source), nn.LayerNorm(32)))
+    return _factory_workload(lambda: nn.Sequential(*layers(), nn.Linear(32, 1)), (batch, 32))
+
+
+@pytest.mark.parametrize("source, excluded", [("random", "random's generator"), ("numpy", "numpy.random's generator"),
+                                              ("torch", ""), ("seeded", "")])
+def test_a_module_that_draws_from_a_host_generator_is_never_recomputed(source, excluded):
+    """Checkpointing saves and restores torch's generators only: recomputed, a layer drawing from Python's or
+    NumPy's would draw another number. One drawing from torch's, or seeding the host generator before it
+    draws, is as safe as any. The plans measure as predicted, with eager's gradients."""
+    workload = _noisy(source, 1024)
+    unplanned, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    candidates = candidate_blocks(trace)
+    assert {b.path for b in candidates.blocks}.isdisjoint({"0", "2", "4"}) == bool(excluded)
+    assert {e.path for e in candidates.excluded if excluded in e.reason} >= ({"0", "2", "4"} if excluded else set())
+    plan = plan_checkpoints(workload, CONFIG, int(0.8 * unplanned.peak_bytes), device="cpu").plan
+    recomputed = {path for segment in plan.segments for path in segment.modules}
+    assert plan.feasible and plan.segments
+    if excluded:  # the layers never, their MLPs, which draw nothing, may be
+        assert recomputed.isdisjoint({"0", "2", "4"}) and all(".mlp" in path for path in recomputed), plan.segments
+    assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes == plan.predicted_peak_bytes
+    assert gradients_equal(workload, plan)
+
+
+@pytest.mark.parametrize("source, equal", [("random", False), ("numpy", False), ("seeded", True)])
+def test_a_layer_drawing_from_a_host_generator_checkpointed_by_hand_gets_wrong_gradients(source, equal):
+    """Why the rule above, and its exception: a layer that seeds the generator first draws the same numbers
+    when recomputed (gradients_equal seeds the host generators too, so eager and the planned model draw the
+    same numbers where nothing is recomputed)."""
+    workload = _factory_workload(lambda: nn.Sequential(_NoisyLayer(source), nn.Linear(32, 1)), (16, 32))
+    by_hand = Plan(model="factory", batch_size=16, precision="fp32", optimizer="sgd", grad_accum=1, device="cpu",
+                   method="by hand", segments=(Segment(("0",)),), feasible=True, budget_bytes=None,
+                   predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=1)
+    assert gradients_equal(workload, by_hand) == equal
     assert gradients_equal(workload, replace(by_hand, segments=(Segment(("1",)),)))  # the Linear after it
