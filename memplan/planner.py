@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -268,13 +268,11 @@ def unsafe_reason(
         # transformers' models hand their layers a cache in training too, unless built with use_cache=False
         hint = " (a transformers model: build it with use_cache=False)" if stored.endswith("Cache") else ""
         return f"its forward stores tensors it makes into its {stored} argument: recomputed, it would store them again{hint}"
-    drawing = next((path for path in trace.host_random_modules for m in members
-                    if path == m.path or path.startswith(m.path + ".")), None)
+    drawing = _within(trace.host_random_modules, members)
     if drawing is not None:
         return (f"{drawing or 'the model'} draws from {trace.host_random_modules[drawing]}'s generator at every call: "
                 "checkpointing restores only torch's generators, so its recomputation would draw other numbers")
-    stateful = next((path for path in trace.stateful_modules for m in members
-                     if path == m.path or path.startswith(m.path + ".")), None)
+    stateful = _within(trace.stateful_modules, members)
     if stateful is not None:
         return (f"{stateful or 'the model'} changes its attribute {trace.stateful_modules[stateful]!r} at every "
                 "call: recomputed, it would read what its forward left there")
@@ -282,6 +280,11 @@ def unsafe_reason(
     if approximate_ops and any(op.name in approximate_ops for op in trace.ops[call.first_op : (last or call).end_op]):
         return "has outputs with data-dependent shapes"
     return ""
+
+
+def _within(paths: Iterable[str], members: Sequence[ModuleCall]) -> str | None:
+    """The first of `paths` that is one of the segment's members or inside one (None where none is)."""
+    return next((path for path in paths for m in members if path == m.path or path.startswith(m.path + ".")), None)
 
 
 def _members(trace: Trace, head: ModuleCall, last: ModuleCall | None) -> list[ModuleCall]:

@@ -29,6 +29,7 @@ from typing import Any
 from unittest import mock
 
 import networkx as nx
+import numpy as np
 import torch
 from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
@@ -267,8 +268,7 @@ class Trace:
         """Modules that change an attribute of theirs at every call (ModuleCall.keeps), path -> attribute:
         recomputed, such a module would read a state its forward changed. Calls after the first step tell
         them from a cache built once (the first step's first call builds it, later calls only read it)."""
-        last = max((c.step for c in self.calls), default=0)
-        return {c.path: c.keeps for c in self.calls if c.keeps and c.phase == "forward" and c.step == last}
+        return {c.path: c.keeps for c in self._last_forward_calls if c.keeps}
 
     @functools.cached_property
     def host_random_modules(self) -> dict[str, str]:
@@ -277,8 +277,12 @@ class Trace:
         A call that seeds the generator before it draws (BigBird's block-sparse attention:
         `np.random.seed(seed)`) draws the same numbers again and is not counted; nor, as for
         stateful_modules, is a call that draws only in the first step."""
+        return {c.path: c.draws_from for c in self._last_forward_calls if c.draws_from}
+
+    @functools.cached_property
+    def _last_forward_calls(self) -> tuple[ModuleCall, ...]:
         last = max((c.step for c in self.calls), default=0)
-        return {c.path: c.draws_from for c in self.calls if c.draws_from and c.phase == "forward" and c.step == last}
+        return tuple(c for c in self.calls if c.phase == "forward" and c.step == last)
 
     def first_forward_call(self, path: str) -> ModuleCall:
         """The first call of module `path` in step 0's forward (what the planners profile a block by)."""
@@ -662,7 +666,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         first seeding inside the call found the state the call began with, nothing was drawn before it."""
         for name, state in _host_generator_states().items():
             first_seeding = next((before for generator, before in seedings[seeded_before:] if generator == name), None)
-            if state != start.get(name) and first_seeding != start.get(name):
+            if state != start[name] and first_seeding != start[name]:
                 return name
         return ""
 
@@ -698,8 +702,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
 
         return seeded
 
-    numpy = sys.modules.get("numpy")
-    seeds = [(random, "random"), *([(numpy.random, "numpy.random")] if numpy is not None else [])]
+    seeds = [(random, "random"), (np.random, "numpy.random")]
     originals = [(module, module.seed) for module, _ in seeds]
     for module, name in seeds:
         module.seed = seeding(name, module.seed)
@@ -720,14 +723,10 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
 
 def _host_generator_states() -> dict[str, int]:
     """Hashes of the states of the host's global generators that a model's Python code may draw from:
-    Python's `random` and, where imported, NumPy's legacy `numpy.random` (wav2vec 2.0 draws its time
-    masks there, BigBird its random attention blocks)."""
-    states = {"random": hash(random.getstate())}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        _, keys, position, *_ = numpy.random.get_state()
-        states["numpy.random"] = hash((position, keys.tobytes()))
-    return states
+    Python's `random` and NumPy's legacy `numpy.random` (wav2vec 2.0 draws its time masks there, BigBird
+    its random attention blocks)."""
+    _, keys, position, *_ = np.random.get_state()
+    return {"random": hash(random.getstate()), "numpy.random": hash((position, keys.tobytes()))}
 
 
 _MODULE_ATTRIBUTES = frozenset(vars(nn.Module())) | {"forward"}  # nn.Module's own, and a checkpoint's wrapper

@@ -446,6 +446,17 @@ def test_a_broken_plan_file_is_one_line_and_writes_nothing(tmp_path, content, me
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
+def test_a_run_its_model_does_not_call_in_that_order_is_one_line(tmp_path):
+    """A plan whose run lists two blocks in another order than the model calls them (only the forward can
+    tell: runs need not follow the registration order) fails at the step's first forward: one line, exit 1,
+    and no second line for the prediction that failed the same way."""
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(_plan_json(model="gpt2", options=TINY_OVERRIDES["gpt2"], segments=[{"modules": ["h.1", "h.0"]}])))
+    line = _one_line_error(runner.invoke(app, ["verify", "gpt2", "-b", "2", *TINY_GPT, "-o", "sgd", "--device", "cpu",
+                                               "--steps", "1", "--plan", str(plan_path)]))
+    assert "#1 of a checkpointed run of 2 modules was not called with the previous module's output" in line
+
+
 def test_output_paths_are_checked_before_planning(tmp_path, monkeypatch):
     import cli.plan_cmd
 
