@@ -360,11 +360,13 @@ class Floor:
       parameter gradients made so far);
     - every tensor made in backward or by the optimizer, from its op to the last op that reads it (the
       gradients in flight; a gradient that autograd sums in place ends where the sum begins);
-    - every tensor made in forward outside all submodules, up to the last op that reads it: no segment
-      can hold it, so it is never recomputed;
-    - a submodule call's activations still to be read, once its backward has read the first of those
-      nothing outside the call sees: a segment recomputes everything it saves at once, when its backward
-      first reads one, and no segment splits a call."""
+    - every tensor made in forward, up to the last op that reads it, from the latest op at which any
+      segment that could drop it has brought it back. A segment (a submodule call, or a run of sibling
+      calls) drops what an op inside it saved for backward and made inside it, and recomputes all it
+      dropped at once, when backward first unpacks one of those: at the latest, the first read of a
+      tensor that only ops inside one of its members saved (a child's dropout mask brings back its
+      parent's attention). A tensor that no segment around its op can drop (saved only outside those
+      calls and their siblings, or made outside all submodules) is live from when it is made."""
 
     peak_bytes: int
     op: str  # the backward or optimizer op that sets it
@@ -400,28 +402,57 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
 
     unit = [-1] * n  # the innermost submodule call running each forward op (-1: outside all of them)
     calls = sorted((c for c in trace.calls if c.phase == "forward" and c.path), key=lambda c: c.opened)
+    parent = [-1] * len(calls)  # the innermost call around each call
+    innermost_at: dict[int, int] = {}  # module hook clock -> the innermost call open then
+    open_calls: list[int] = []
     for number, call in enumerate(calls):
         unit[call.first_op : call.end_op] = [number] * (call.end_op - call.first_op)
-    # each call's first read, after forward, of a tensor it made that nothing outside it sees (not its
-    # output, not read in forward by an op outside it): only a backward op of its own reads that, which
-    # brings back (unless kept) everything a segment around the call saved
-    escaped = set()
-    for op in trace.ops:
-        if op.phase == "forward":
-            for sid in op.reads:
-                made_by = trace.storages[sid].allocated_by
-                if made_by is not None and unit[made_by] != -1:
-                    call = calls[unit[made_by]]
-                    if not call.first_op <= op.index < call.end_op or sid in call.outputs:
-                        escaped.add(sid)
+        while open_calls and calls[open_calls[-1]].closed < call.opened:
+            open_calls.pop()
+        parent[number] = open_calls[-1] if open_calls else -1
+        open_calls.append(number)
+        innermost_at.update(dict.fromkeys(range(call.opened + 1, call.closed + 1), number))
+
+    def around(u: int) -> Iterator[int]:
+        while u != -1:
+            yield u
+            u = parent[u]
+
+    # When a segment around a call recomputes, at the latest: the first read, after forward, of a
+    # tensor that only ops inside the call saved (what a segment drops), which unpacks it
     unit_start: dict[int, int] = {}
     for sid, first in first_read.items():
-        made_by = trace.storages[sid].allocated_by
-        if sid not in persistent and sid not in escaped and made_by is not None and trace.ops[made_by].phase == "forward":
-            u = unit[made_by]
-            if u != -1:
-                unit_start[u] = min(unit_start.get(u, first), first)
+        times = trace.saved_at.get(sid)
+        if sid in persistent or not times:
+            continue
+        savers = [set(around(innermost_at.get(t, -1))) for t in times]
+        for u in set.intersection(*savers):  # the calls around every op that saved it
+            unit_start[u] = min(unit_start.get(u, first), first)
 
+    never = n + 1
+
+    def recomputed_from(sid: int, u: int) -> int | None:
+        """The op from which `sid`, made inside call u, is certainly live under every segment that is u or
+        a run of u's siblings with u and that drops it; None where no such segment drops it. A segment
+        drops a tensor made inside it that an op inside it saved, and recomputes it when it first unpacks
+        what it dropped: by the first such read of what only ops inside any one member saved. (A segment
+        that drops a tensor an op outside it also saved recomputes a copy: live from then on too.)"""
+        latest = None
+        for t in trace.saved_at.get(sid, ()):
+            saver_calls = list(around(innermost_at.get(t, -1)))
+            if u in saver_calls:
+                by = unit_start.get(u, never)
+            else:
+                sibling = next((d for d in saver_calls if parent[d] == parent[u]), None)
+                if sibling is None:
+                    continue
+                by = min(unit_start.get(u, never), unit_start.get(sibling, never))
+            latest = by if latest is None else max(latest, by)
+        return latest
+
+    # A forward tensor is live from the op after the one that made it, unless a segment drops it: then
+    # from when that segment recomputes it, at the latest. Certainly live from the latest of those over
+    # the segments around its op that could drop it.
     certain: dict[int, tuple[int, int]] = {}  # storage -> the ops [start, end] it is certainly live across
     for sid, end in last_read.items():
         made_by = trace.storages[sid].allocated_by
@@ -429,10 +460,12 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
             continue
         if trace.ops[made_by].phase != "forward":
             start = made_by
-        elif unit[made_by] == -1:
-            start = made_by + 1
         else:
-            start = unit_start.get(unit[made_by], end + 1)
+            start = made_by + 1
+            for u in around(unit[made_by]):
+                recomputed = recomputed_from(sid, u)
+                if recomputed is not None:
+                    start = max(start, recomputed)
         if start <= end:
             certain[sid] = (start, end)
             change[start] += block_bytes(trace.storages[sid].nbytes)

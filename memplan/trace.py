@@ -22,7 +22,7 @@ import random
 import sys
 import types
 import weakref
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,6 +262,9 @@ class Trace:
     # op index -> tensors autograd saved (each passes the saved-tensor hooks once), counted at the op
     # recorded last when they were saved: the op itself or a helper op it ran. Sum over op ranges.
     saved_tensors: dict[int, int] = field(default_factory=dict)
+    # storage id -> when autograd saved it through the saved-tensor hooks, by the clock of
+    # ModuleCall.opened and .closed: a checkpoint around the call saving it would drop and recompute it
+    saved_at: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @functools.cached_property
     def stateful_modules(self) -> dict[str, str]:
@@ -378,6 +381,8 @@ class _Recorder(TorchDispatchMode):
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
         self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
+        self.module_hooks = 0  # module hooks run so far: the clock of ModuleCall.opened and .closed
+        self.saved_at: dict[int, set[int]] = defaultdict(set)  # storage id -> module_hooks when saved
         # autograd's sequence number when each op reached the tracer (below autograd: its node is made)
         self.sequence_nrs: list[int] = []
         # Values of the small tensors computed from constants and other known values alone (nonzero's
@@ -608,7 +613,11 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
     # the host generators' states then and how many seedings came before (ModuleCall.draws_from))
     open_calls: list[tuple[str, int, tuple[int, ...], int, dict[str, int], tuple[dict[str, int], int]]] = []
     seedings: list[tuple[str, int]] = []  # (generator, its state just before it was seeded), in order
-    hooks_run = itertools.count()
+
+    def hook_run() -> int:
+        """When this hook runs, by the count of module hooks run before it."""
+        recorder.module_hooks += 1
+        return recorder.module_hooks - 1
 
     def tensor_ids(value: Any) -> tuple[int, ...]:
         return tuple(
@@ -674,7 +683,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         path = paths.get(id(module))
         if path is not None:
             recorder.module_stack.append(path)
-            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), next(hooks_run), identities(module),
+            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), hook_run(), identities(module),
                                (_host_generator_states(), len(seedings))))
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
@@ -689,7 +698,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
                 ModuleCall(
                     path, type(module).__name__, recorder.phase, recorder.step, first, len(recorder.ops), inputs,
                     tensor_ids(output), arguments(args, kwargs), id(args[0]) if args else 0, id(output),
-                    opened, next(hooks_run), stores_into(args, kwargs, first), keeps(module, first, attributes),
+                    opened, hook_run(), stores_into(args, kwargs, first), keeps(module, first, attributes),
                     draws_from(*generators),
                 )
             )
@@ -1317,9 +1326,11 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             recorder.begin_phase(phase, step)
 
         def mark_saved(tensor: torch.Tensor) -> torch.Tensor:
+            sid = recorder.ids.get(tensor.untyped_storage())
             if recorder.ops:  # autograd saves an op's tensors right after it runs: count them near it
                 recorder.saved_tensors[len(recorder.ops) - 1] += 1
-            sid = recorder.ids.get(tensor.untyped_storage())
+            if sid is not None:
+                recorder.saved_at[sid].add(recorder.module_hooks)
             if sid is not None and recorder.storages[sid]["role"] == "temporaries":
                 recorder.storages[sid]["role"] = "activations"
             return _without_graph(tensor)
@@ -1346,6 +1357,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         module_types=module_types,
         approximate_ops=tuple(dict.fromkeys(recorder.approximate)),
         saved_tensors=dict(recorder.saved_tensors),
+        saved_at={sid: tuple(sorted(times)) for sid, times in recorder.saved_at.items()},
     )
 
 
