@@ -1,6 +1,7 @@
 """Selective recompute vs the block-level optimal plan, at budgets of 30..70% of the unplanned peak.
 
-    python benchmarks/selective.py [--models gpt2,llama2-7b,gpt-d256,llama-d256] [--fracs 0.3,0.4,0.5,0.6,0.7]
+    python benchmarks/selective.py [--models gpt2,llama2-7b,gpt2-seq128,llama2-7b-seq128,gpt-d256,llama-d256]
+                                   [--fracs 0.3,0.4,0.5,0.6,0.7]
                                    [--objective seconds] [--gpu h100] [--runs 10] [--threads 2] [--no-measure]
                                    [--builtin-cpu-model]
 
@@ -22,7 +23,9 @@ included; how many plans the estimator ran on and how many memplan.replay replay
 optimality gap over its policy families. Where a plan does not fit, the line under the table gives
 the peak floor (memplan.planner.Floor) and whether it proves that no checkpoint plan can.
 
-Models: gpt2 and llama2-7b at the zoo's tiny sizes with 6 layers (d 64, 32 tokens), batch --batch;
+Models: gpt2 and llama2-7b at the zoo's tiny sizes with 6 layers (d 64, 32 tokens), batch --batch,
+where the weights and their gradients hold most of the peak; the same with 128 tokens (-seq128),
+benchmarks/planner.py's sizes, where activations and weights are in their full-size proportion;
 gpt-d256, the issue's 6-layer GPT (d 256, 8 heads, 128 tokens, vocab 1000, batch 8); llama-d256, the
 Llama family at that shape.
 
@@ -65,14 +68,22 @@ LLAMA_D256 = {"n_layer": 6, "n_embd": 256, "n_head": 8, "n_kv_head": 8, "ffn_dim
 OP_LEVEL_REFERENCE = {0.3: 20.2, 0.4: 15.6, 0.5: 11.1, 0.6: 7.0, 0.7: 3.9}  # simulated time overhead %
 
 
+# name -> (zoo family, its options, batch size; None: --batch)
+MODELS = {
+    "gpt2": ("gpt2", dict(TINY_OVERRIDES["gpt2"], n_layer=6), None),
+    "llama2-7b": ("llama2-7b", dict(TINY_OVERRIDES["llama2-7b"], n_layer=6), None),
+    # benchmarks/planner.py's sizes: activations and weights in their full-size proportion
+    "gpt2-seq128": ("gpt2", dict(TINY_OVERRIDES["gpt2"], n_layer=6, seq_len=128, block_size=128), None),
+    "llama2-7b-seq128": ("llama2-7b", dict(TINY_OVERRIDES["llama2-7b"], n_layer=6, seq_len=128), None),
+    "gpt-d256": ("gpt2", GPT_D256, 8),
+    "llama-d256": ("llama2-7b", LLAMA_D256, 8),
+}
+
+
 def workloads(names: list[str], batch: int):
     for name in names:
-        if name == "gpt-d256":
-            yield name, resolve_workload("gpt2", 8, GPT_D256)
-        elif name == "llama-d256":
-            yield name, resolve_workload("llama2-7b", 8, LLAMA_D256)
-        else:
-            yield name, resolve_workload(name, batch, dict(TINY_OVERRIDES[name], n_layer=6))
+        family, options, fixed_batch = MODELS[name]
+        yield name, resolve_workload(family, fixed_batch or batch, options)
 
 
 def timed_rounds(workload, config, plans, runs: int) -> list[list[float]]:
@@ -109,7 +120,7 @@ def step_overheads(workload, config, plans, runs: int) -> list[float | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt2,llama2-7b,gpt-d256,llama-d256")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--fracs", default="0.3,0.4,0.5,0.6,0.7")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--objective", default="seconds")

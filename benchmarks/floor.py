@@ -1,0 +1,91 @@
+"""The peak floor (memplan.planner.peak_floor) against plans: no plan's peak may lie under it.
+
+    python benchmarks/floor.py [--models zoo|hf|NAME,...] [--plans 4] [--batch 4]
+
+Per model (`zoo`: the zoo at small sizes; `hf`: benchmarks/hf_architectures.py's Hugging Face
+architectures, which need transformers): random checkpoint plans (disjoint segments drawn from the
+block-level planner's candidates at any depth, modules and runs of siblings), each estimated with the
+plan applied, and the lowest plan of each planner (budget 0: block level, and selective without a
+baseline). Reports the floor, the lowest predicted peak of them all, their ratio (1: the floor is that
+plan's peak; how close it comes is how much it can prove), and how many plans lie under the floor, which
+would disprove it. fp32, SGD, two steps, a CPU target. A model that fails is a row saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tabulate import tabulate
+
+from memplan.emit import apply_plan
+from memplan.estimate import estimate, estimate_and_trace
+from memplan.planner import _draft, nested_candidates, peak_floor, plan_checkpoints
+from memplan.selective import plan_selective
+from memplan.solvers import Solution
+from memplan.step import StepConfig
+from memplan.workload import Workload, resolve_workload
+from models import TINY_OVERRIDES
+
+CONFIG = StepConfig(precision="fp32", optimizer="sgd", steps=2)
+
+
+def workloads(names: str, batch: int) -> list[Workload]:
+    if names == "hf":
+        import hf_architectures
+
+        return [Workload(name, build, batch, {}) for name, build in hf_architectures.MODELS.items()]
+    chosen = list(TINY_OVERRIDES) if names == "zoo" else names.split(",")
+    return [resolve_workload(name, batch, TINY_OVERRIDES.get(name, {})) for name in chosen]
+
+
+def random_plan_peaks(workload: Workload, trace, unplanned, plans: int, rng: random.Random) -> list[int]:
+    spans = list(nested_candidates(trace).spans)
+    peaks = []
+    for _ in range(plans):
+        rng.shuffle(spans)
+        chosen, covered = [], set()
+        for span in spans:
+            units = set(range(span.first, span.last + 1))
+            if not units & covered and rng.random() < 0.6:
+                chosen.append(span.paths)
+                covered |= units
+        plan = _draft(workload, CONFIG, "cpu", Solution("optimal-dp", tuple(chosen), True, 0, 0, 0.0, 0.0), 0, unplanned)
+        peaks.append(estimate(workload, CONFIG, "cpu", transform=lambda m, plan=plan: apply_plan(m, plan)).peak_bytes)
+    return peaks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="zoo")
+    parser.add_argument("--plans", type=int, default=4, help="random plans per model")
+    parser.add_argument("--batch", type=int, default=4)
+    args = parser.parse_args()
+    rows, disproved = [], 0
+    for workload in workloads(args.models, args.batch):
+        started = time.perf_counter()
+        try:
+            unplanned, trace = estimate_and_trace(workload, CONFIG, "cpu")
+            floor = peak_floor(trace)
+            peaks = random_plan_peaks(workload, trace, unplanned, args.plans, random.Random(workload.spec))
+            peaks.append(plan_checkpoints(workload, CONFIG, 0, device="cpu").plan.predicted_peak_bytes)
+            peaks.append(plan_selective(workload, CONFIG, 0, device="cpu", baselines=()).plan.predicted_peak_bytes)
+        except Exception as error:  # noqa: BLE001 - a row says what failed, the others still run
+            rows.append([workload.spec, "-", "-", "-", "-", "-", "-", f"{type(error).__name__}: {str(error)[:80]}"])
+            continue
+        under = sum(peak < floor.peak_bytes for peak in peaks)
+        disproved += under > 0
+        rows.append([workload.spec, unplanned.peak_bytes, floor.peak_bytes, min(peaks),
+                     f"{floor.peak_bytes / min(peaks):.3f}", len(peaks), under, f"{time.perf_counter() - started:.0f}"])
+    print(tabulate(rows, headers=["model", "unplanned B", "floor B", "lowest plan B", "floor / lowest", "plans",
+                                  "under the floor", "s"]))
+    print(f"\n{disproved} of {len(rows)} models have a plan under the floor")
+
+
+if __name__ == "__main__":
+    main()
