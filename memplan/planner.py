@@ -20,7 +20,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cache, partial
 
 from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, Replays, verified_search
 from memplan.devices import device_model
@@ -738,7 +738,7 @@ def alternatives(
 
 @dataclass(frozen=True)
 class MaxBatch:
-    without_plan: int  # 0: not even batch 1 fits
+    without_plan: int  # 0: not even the smallest batch the model runs fits
     with_plan: int
     plan_at_max: Plan | None  # the cheapest plan at `with_plan`
 
@@ -752,17 +752,40 @@ def max_batch(
     gpu: str | None = None,
 ) -> MaxBatch:
     """The largest batch size that fits, without and with an optimal checkpoint plan (binary search:
-    memory grows with the batch)."""
+    memory grows with the batch). A batch whose peak floor is over the budget is not planned: no plan fits.
+    The search starts at the smallest of 1, 2, 4, 8 that the model runs (a BatchNorm over a 1x1 map does
+    not run batch 1: MODEL_CANNOT_RUN)."""
+    block_bytes = device_model(device, gpu).block_bytes
+    plans: dict[int, Plan] = {}
 
+    @cache
     def fits_plain(batch: int) -> bool:
         return estimate(replace(workload, batch_size=batch), config, device, gpu=gpu).peak_bytes <= budget_bytes
 
-    def plan_at(batch: int) -> Plan:
-        return plan_checkpoints(replace(workload, batch_size=batch), config, budget_bytes, device, gpu=gpu).plan
+    def fits_planned(batch: int) -> bool:
+        sized = replace(workload, batch_size=batch)
+        cache = EstimateCache()  # this batch's trace, for its floor and its plan
+        if peak_floor(cache.estimate(sized, config, device, gpu)[1], block_bytes).peak_bytes > budget_bytes:
+            return False
+        plans[batch] = plan_checkpoints(sized, config, budget_bytes, device, gpu=gpu, cache=cache).plan
+        return plans[batch].feasible
 
-    plain = _largest(fits_plain, 1, limit)
-    planned = _largest(lambda b: plan_at(b).feasible, max(plain, 1), limit)
-    return MaxBatch(plain, max(plain, planned), plan_at(planned) if planned else None)
+    smallest = _smallest_runnable(fits_plain, [b for b in (1, 2, 4, 8) if b <= limit])
+    plain = _largest(fits_plain, smallest, limit)
+    planned = _largest(fits_planned, max(plain, smallest), limit)
+    return MaxBatch(plain, max(plain, planned), plans.get(planned))
+
+
+def _smallest_runnable(fits: Callable[[int], bool], batches: list[int]) -> int:
+    """The first of `batches` at which `fits` runs; the first one's error where none does."""
+    errors = []
+    for batch in batches:
+        try:
+            fits(batch)
+            return batch
+        except MODEL_CANNOT_RUN as error:
+            errors.append(error)
+    raise errors[0]
 
 
 def _largest(fits: Callable[[int], bool], low: int, limit: int) -> int:

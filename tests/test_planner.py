@@ -291,6 +291,32 @@ def test_max_batch_is_the_largest_that_fits():
     assert result.with_plan >= result.without_plan
 
 
+def test_max_batch_with_a_plan_is_the_largest_a_plan_fits():
+    """Batches whose peak floor is over the budget are not planned; that loses none a plan fits."""
+    workload = _gpt(2)
+    budget = estimate(replace(workload, batch_size=8), CONFIG, device="cpu").peak_bytes
+    result = max_batch(workload, CONFIG, budget, device="cpu", limit=64)
+    assert 8 <= result.without_plan < result.with_plan < 64
+    plan = result.plan_at_max
+    assert plan.feasible and plan.batch_size == result.with_plan
+    assert measure(replace(workload, batch_size=result.with_plan), CONFIG, device="cpu",
+                   plan=plan).measured_peak_bytes <= budget
+    beyond = plan_checkpoints(replace(workload, batch_size=result.with_plan + 1), CONFIG, budget, device="cpu")
+    assert not beyond.plan.feasible
+
+
+def test_max_batch_starts_at_the_smallest_batch_the_model_runs():
+    """The tiny ResNet's last BatchNorm sees a 1x1 map, so batch 1 cannot train (ValueError, as in
+    eager): the search starts at batch 2 instead of failing."""
+    workload = resolve_workload("resnet18", 1, TINY_OVERRIDES["resnet18"])
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        estimate(workload, CONFIG, device="cpu")
+    budget = measure(replace(workload, batch_size=4), CONFIG, device="cpu").measured_peak_bytes
+    result = max_batch(workload, CONFIG, budget, device="cpu", limit=8)
+    assert result.without_plan == 4 <= result.with_plan
+    assert measure(replace(workload, batch_size=5), CONFIG, device="cpu").measured_peak_bytes > budget
+
+
 def test_cuda_plans_recompute_with_the_same_attention_kernel():
     # the recomputation in backward must see the same (fused CUDA) attention as the forward did
     workload = _gpt(4)
