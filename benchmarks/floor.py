@@ -25,9 +25,8 @@ from tabulate import tabulate
 
 from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
-from memplan.planner import _draft, nested_candidates, peak_floor, plan_checkpoints
+from memplan.planner import peak_floor, plan_checkpoints, random_plan
 from memplan.selective import plan_selective
-from memplan.solvers import Solution
 from memplan.step import StepConfig
 from memplan.workload import Workload, resolve_workload
 from models import TINY_OVERRIDES
@@ -45,17 +44,9 @@ def workloads(names: str, batch: int) -> list[Workload]:
 
 
 def random_plan_peaks(workload: Workload, trace, unplanned, plans: int, rng: random.Random) -> list[int]:
-    spans = list(nested_candidates(trace).spans)
     peaks = []
     for _ in range(plans):
-        rng.shuffle(spans)
-        chosen, covered = [], set()
-        for span in spans:
-            units = set(range(span.first, span.last + 1))
-            if not units & covered and rng.random() < 0.6:
-                chosen.append(span.paths)
-                covered |= units
-        plan = _draft(workload, CONFIG, "cpu", Solution("optimal-dp", tuple(chosen), True, 0, 0, 0.0, 0.0), 0, unplanned)
+        plan = random_plan(workload, CONFIG, "cpu", trace, unplanned, rng)
         peaks.append(estimate(workload, CONFIG, "cpu", transform=lambda m, plan=plan: apply_plan(m, plan)).peak_bytes)
     return peaks
 

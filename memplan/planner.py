@@ -16,6 +16,7 @@ solver's cost model.
 
 from __future__ import annotations
 
+import random
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -663,6 +664,22 @@ def _draft(
         recompute_seconds=solution.recompute_seconds,
         options=dict(workload.options),
     )
+
+
+def random_plan(workload: Workload, config: StepConfig, device: str, trace: Trace, unplanned: Estimate,
+                rng: random.Random, share: float = 0.6) -> Plan:
+    """Disjoint segments drawn from nested_candidates (modules at any depth, runs of siblings), each span
+    taken with probability `share`, in a random order: a plan the block-level planner could choose, not
+    estimated yet (to test what must hold for every plan, such as peak_floor, against)."""
+    spans = list(nested_candidates(trace).spans)
+    rng.shuffle(spans)
+    chosen, covered = [], set()
+    for span in spans:
+        units = set(range(span.first, span.last + 1))
+        if not units & covered and rng.random() < share:
+            chosen.append(span.paths)
+            covered |= units
+    return _draft(workload, config, device, Solution("random", tuple(chosen), True, 0, 0, 0.0, 0.0), 0, unplanned)
 
 
 def _re_estimated(draft: Plan, unplanned: Estimate, planned: Estimate) -> tuple[Plan, Estimate]:

@@ -11,9 +11,8 @@ from typer.testing import CliRunner
 from cli.main import app
 from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
-from memplan.planner import _draft, nested_candidates, peak_floor, plan_checkpoints
+from memplan.planner import peak_floor, plan_checkpoints, random_plan
 from memplan.selective import plan_selective
-from memplan.solvers import Solution
 from memplan.step import StepConfig
 from memplan.verify import measure
 from memplan.workload import resolve_workload
@@ -60,20 +59,11 @@ def test_floor_lies_under_random_plans(name, config):
     workload = resolve_workload(name, 4, TINY_OVERRIDES[name])
     unplanned, trace = estimate_and_trace(workload, config, "cpu")
     floor = peak_floor(trace)
-    spans = list(nested_candidates(trace).spans)
     rng = random.Random(name)
     for trial in range(4):
-        rng.shuffle(spans)
-        chosen, covered = [], set()
-        for span in spans:
-            units = set(range(span.first, span.last + 1))
-            if not units & covered and rng.random() < 0.6:
-                chosen.append(span.paths)
-                covered |= units
-        solution = Solution("optimal-dp", tuple(chosen), True, 0, 0, 0.0, 0.0)
-        plan = _draft(workload, config, "cpu", solution, 0, unplanned)
+        plan = random_plan(workload, config, "cpu", trace, unplanned, rng)
         planned = estimate(workload, config, "cpu", transform=lambda model, plan=plan: apply_plan(model, plan))
-        assert floor.peak_bytes <= planned.peak_bytes, chosen
+        assert floor.peak_bytes <= planned.peak_bytes, plan.segments
         if trial == 0 and config.precision == "fp32":
             assert floor.peak_bytes <= measure(workload, config, device="cpu", plan=plan).measured_peak_bytes
 
