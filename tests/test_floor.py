@@ -91,11 +91,12 @@ def test_floor_counts_everything_a_call_brings_back_at_once():
 
 def test_floor_counts_what_a_segment_brings_back_when_a_child_first_unpacks():
     """A segment around a call recomputes all it dropped when backward first unpacks any of it: a
-    tensor made and saved by a child (the attention's dropout mask, the feed-forward's SiLU input)
-    brings back the call's own tensors too, and a child's output that a sibling saved (the norm's, which
-    the attention's projections save) comes back with a segment around both. On the tiny Llama at six
-    layers the floor lies within 20% of the lowest peak either planner reaches, measured (counting a
-    call's tensors from the first read of one its own ops made and saved, it lay 22% under)."""
+    tensor that only a child saved (the attention's output, which its `wo` projection saves; the
+    feed-forward's gated product, which `w2` saves) brings back the call's own tensors too, and a child's
+    output that a sibling saved (the norm's, which the attention's projections save) comes back with a
+    segment around both. On the tiny Llama at six layers the floor lies within 20% of the lowest peak
+    either planner reaches, measured (counting a call's tensors from the first read of one its own ops
+    made and saved, it lay 22% under)."""
     workload = resolve_workload("llama2-7b", 8, {**TINY_OVERRIDES["llama2-7b"], "n_layer": 6})
     results = [plan_checkpoints(workload, CONFIG, 0, device="cpu"),
                plan_selective(workload, CONFIG, 0, device="cpu", baselines=())]
