@@ -1,6 +1,7 @@
 """The peak floor (memplan.planner.peak_floor) against plans: no plan's peak may lie under it.
 
     python benchmarks/floor.py [--models zoo|hf|NAME,...] [--plans 4] [--batch 4]
+                               [--precision fp32] [--optimizer sgd] [--grad-accum 1] [--device cpu]
 
 Per model (`zoo`: the zoo at small sizes; `hf`: benchmarks/hf_architectures.py's Hugging Face
 architectures, which need transformers): random checkpoint plans (disjoint segments drawn from the
@@ -8,7 +9,8 @@ block-level planner's candidates at any depth, modules and runs of siblings), ea
 plan applied, and the lowest plan of each planner (budget 0: block level, and selective without a
 baseline). Reports the floor, the lowest predicted peak of them all, their ratio (1: the floor is that
 plan's peak; how close it comes is how much it can prove), and how many plans lie under the floor, which
-would disprove it. fp32, SGD, two steps, a CPU target. A model that fails is a row saying why.
+would disprove it. Two steps of --precision and --optimizer, on --device's allocator model (plans and
+the floor on the same one). A model that fails is a row saying why.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tabulate import tabulate
 
+from memplan.devices import device_model
 from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.planner import peak_floor, plan_checkpoints, random_plan
@@ -30,8 +33,6 @@ from memplan.selective import plan_selective
 from memplan.step import StepConfig
 from memplan.workload import Workload, resolve_workload
 from models import TINY_OVERRIDES
-
-CONFIG = StepConfig(precision="fp32", optimizer="sgd", steps=2)
 
 
 def workloads(names: str, batch: int) -> list[Workload]:
@@ -43,11 +44,12 @@ def workloads(names: str, batch: int) -> list[Workload]:
     return [resolve_workload(name, batch, TINY_OVERRIDES.get(name, {})) for name in chosen]
 
 
-def random_plan_peaks(workload: Workload, trace, unplanned, plans: int, rng: random.Random) -> list[int]:
+def random_plan_peaks(workload: Workload, config: StepConfig, device: str, trace, unplanned, plans: int,
+                      rng: random.Random) -> list[int]:
     peaks = []
     for _ in range(plans):
-        plan = random_plan(workload, CONFIG, "cpu", trace, unplanned, rng)
-        peaks.append(estimate(workload, CONFIG, "cpu", transform=lambda m, plan=plan: apply_plan(m, plan)).peak_bytes)
+        plan = random_plan(workload, config, device, trace, unplanned, rng)
+        peaks.append(estimate(workload, config, device, transform=lambda m, plan=plan: apply_plan(m, plan)).peak_bytes)
     return peaks
 
 
@@ -56,16 +58,22 @@ def main() -> None:
     parser.add_argument("--models", default="zoo")
     parser.add_argument("--plans", type=int, default=4, help="random plans per model")
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
+    config = StepConfig(precision=args.precision, optimizer=args.optimizer, grad_accum=args.grad_accum, steps=2)
+    device = args.device
     rows, disproved = [], 0
     for workload in workloads(args.models, args.batch):
         started = time.perf_counter()
         try:
-            unplanned, trace = estimate_and_trace(workload, CONFIG, "cpu")
-            floor = peak_floor(trace)
-            peaks = random_plan_peaks(workload, trace, unplanned, args.plans, random.Random(workload.spec))
-            peaks.append(plan_checkpoints(workload, CONFIG, 0, device="cpu").plan.predicted_peak_bytes)
-            peaks.append(plan_selective(workload, CONFIG, 0, device="cpu", baselines=()).plan.predicted_peak_bytes)
+            unplanned, trace = estimate_and_trace(workload, config, device)
+            floor = peak_floor(trace, device_model(device))
+            peaks = random_plan_peaks(workload, config, device, trace, unplanned, args.plans, random.Random(workload.spec))
+            peaks.append(plan_checkpoints(workload, config, 0, device=device).plan.predicted_peak_bytes)
+            peaks.append(plan_selective(workload, config, 0, device=device, baselines=()).plan.predicted_peak_bytes)
         except Exception as error:  # noqa: BLE001 - a row says what failed, the others still run
             rows.append([workload.spec, "-", "-", "-", "-", "-", "-", f"{type(error).__name__}: {str(error)[:80]}"])
             continue

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from functools import cache, partial
 
 from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, Replays, verified_search
-from memplan.devices import device_model
-from memplan.estimate import Estimate, estimate, in_place_sums
+from memplan.devices import DeviceModel, device_model
+from memplan.estimate import Estimate, eager_events, estimate, in_place_sums, opened_workspace
 from memplan.plan import Plan, Segment
 from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
@@ -357,8 +357,8 @@ class Floor:
     """A peak that no checkpoint plan goes below (the planner's and the selective ones alike).
     Checkpointing changes neither the backward ops nor the order they run in, only when the activations
     they read are made, so at each backward or optimizer op these are live whatever the plan:
-    - its operands, and what lives through the whole step (weights, inputs, optimizer state, and the
-      parameter gradients made so far);
+    - its operands, and what lives through the whole step (weights, inputs, optimizer state, the
+      parameter gradients made so far, and the library workspaces opened so far);
     - every tensor made in backward or by the optimizer, from its op to the last op that reads it (the
       gradients in flight; a gradient that autograd sums in place ends where the sum begins);
     - every tensor made in forward, up to the last op that reads it, from the latest op at which any
@@ -376,7 +376,10 @@ class Floor:
 PERSISTENT_ROLES = ("weights", "inputs", "optimizer_state", "gradients")
 
 
-def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) -> Floor:
+def peak_floor(trace: Trace, device: DeviceModel | None = None) -> Floor:
+    """The Floor of the step traced, in the block sizes and with the library workspaces of `device` (None:
+    bytes as requested, no workspace)."""
+    block_bytes = device.block_bytes if device is not None else (lambda n: n)
     n = len(trace.ops)
     freed_after = {e.storage: e.op for e in trace.events if e.kind == "free"}
     change = [0] * (n + 2)  # bytes that become (+) or stop being (-) certainly live before each op
@@ -471,6 +474,20 @@ def peak_floor(trace: Trace, block_bytes: Callable[[int], int] = lambda n: n) ->
             certain[sid] = (start, end)
             change[start] += block_bytes(trace.storages[sid].nbytes)
             change[end + 1] -= block_bytes(trace.storages[sid].nbytes)
+
+    # a library workspace (cuBLAS's, one per thread) opens at its thread's first matrix product: the same
+    # op in every plan (a recomputation in backward may open the backward thread's sooner, never later)
+    if device is not None and device.workspace_bytes:
+        threads: set[str] = set()
+        phase = ""
+        for event in eager_events(trace):
+            if event.kind == "phase":
+                phase = event.phase
+            elif event.kind == "alloc":
+                thread = opened_workspace(device, threads, phase, trace.ops[event.op].name)
+                if thread is not None:
+                    threads.add(thread)
+                    change[event.op] += device.workspace_bytes
 
     best = Floor(0, "")
     live = 0
@@ -620,7 +637,7 @@ def plan_checkpoints(
     fitting = [o for o in checked if o.plan.feasible]
     if rejected is not None and not fitting:
         return PlanResult(rejected.plan, unplanned, rejected.planned, candidates, rejected.solution,
-                          peak_floor(trace, block_bytes), checked=False)
+                          peak_floor(trace, device_model(device, gpu)), checked=False)
     if fitting:
         best = min(fitting, key=lambda o: o.plan.recompute_flops)
     else:  # the lowest peak any plan reached (the first of equals), as the estimator sees it
@@ -633,7 +650,7 @@ def plan_checkpoints(
             best = Outcome(*re_estimate(none.draft), none.solution)
     if best.plan.method != method and best.plan.method in BASELINES:
         best = replace(best, plan=replace(best.plan, method=f"{method} (via {best.plan.method})"))
-    return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, block_bytes))
+    return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, device_model(device, gpu)))
 
 
 def _solve(method: str, problem: ChainProblem) -> Solution:
@@ -772,7 +789,7 @@ def max_batch(
     memory grows with the batch). A batch whose peak floor is over the budget is not planned: no plan fits.
     The search starts at the smallest of 1, 2, 4, 8 that the model runs (a BatchNorm over a 1x1 map does
     not run batch 1: MODEL_CANNOT_RUN)."""
-    block_bytes = device_model(device, gpu).block_bytes
+    allocator = device_model(device, gpu)
     plans: dict[int, Plan] = {}
 
     @cache
@@ -782,7 +799,7 @@ def max_batch(
     def fits_planned(batch: int) -> bool:
         sized = replace(workload, batch_size=batch)
         cache = EstimateCache()  # this batch's trace, for its floor and its plan
-        if peak_floor(cache.estimate(sized, config, device, gpu)[1], block_bytes).peak_bytes > budget_bytes:
+        if peak_floor(cache.estimate(sized, config, device, gpu)[1], allocator).peak_bytes > budget_bytes:
             return False
         plans[batch] = plan_checkpoints(sized, config, budget_bytes, device, gpu=gpu, cache=cache).plan
         return plans[batch].feasible

@@ -1094,7 +1094,7 @@ def plan_selective(
         selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
         recompute_seconds=seconds, step_seconds=base_seconds, processor=clock.name, objective=objective,
         solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(estimated), replays=len(replays.done),
-        floor=peak_floor(trace, block_bytes))
+        floor=peak_floor(trace, device_model(device, gpu)))
 
 
 def plan_overhead(
