@@ -27,6 +27,7 @@ from tabulate import tabulate
 
 from memplan.devices import device_model
 from memplan.emit import apply_plan
+from memplan.errors import BadInput
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.planner import peak_floor, plan_checkpoints, random_plan
 from memplan.selective import plan_selective
@@ -37,6 +38,10 @@ from models import TINY_OVERRIDES
 
 def workloads(names: str, batch: int) -> list[Workload]:
     if names == "hf":
+        try:
+            import transformers  # noqa: F401 - hf_architectures builds its models with it
+        except ImportError:
+            raise BadInput("--models hf needs Hugging Face transformers (pip install transformers)") from None
         import hf_architectures
 
         return [Workload(name, build, batch, {}) for name, build in hf_architectures.MODELS.items()]
@@ -63,10 +68,14 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
-    config = StepConfig(precision=args.precision, optimizer=args.optimizer, grad_accum=args.grad_accum, steps=2)
+    try:
+        config = StepConfig(precision=args.precision, optimizer=args.optimizer, grad_accum=args.grad_accum, steps=2)
+        chosen = workloads(args.models, args.batch)
+    except BadInput as error:
+        parser.error(str(error))
     device = args.device
     rows, disproved = [], 0
-    for workload in workloads(args.models, args.batch):
+    for workload in chosen:
         started = time.perf_counter()
         try:
             unplanned, trace = estimate_and_trace(workload, config, device)

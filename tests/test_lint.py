@@ -24,13 +24,15 @@ def test_every_benchmark_starts():
         assert result.returncode == 0, f"{script.name}: {result.stderr.strip().splitlines()[-1:]}"
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--models", "t5,nope"], "error: unknown model 'nope'; expected some of: t5, bart"),
-    (["--plan", "1.5"], "error: --plan takes a fraction of the unplanned peak in (0, 1], got 1.5"),
-    (["--grad-accum", "0"], "error: --grad-accum must be at least 1, got 0"),
+@pytest.mark.parametrize("script, options, message", [
+    ("hf_architectures.py", ["--models", "t5,nope"], "error: unknown model 'nope'; expected some of: t5, bart"),
+    ("hf_architectures.py", ["--plan", "1.5"], "error: --plan takes a fraction of the unplanned peak in (0, 1], got 1.5"),
+    ("hf_architectures.py", ["--grad-accum", "0"], "error: --grad-accum must be at least 1, got 0"),
+    ("floor.py", ["--models", "gpt2,nope"], "error: unknown model 'nope'"),
+    ("floor.py", ["--precision", "fp64"], "error: unknown precision 'fp64'"),
 ])
-def test_a_benchmark_rejects_bad_options_in_one_line(options, message):
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_architectures.py"), *options],
+def test_a_benchmark_rejects_bad_options_in_one_line(script, options, message):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *options],
                             capture_output=True, text=True, check=False, cwd=ROOT)
     assert result.returncode == 2  # argparse's usage error
     assert "Traceback" not in result.stderr
