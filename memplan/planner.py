@@ -558,7 +558,8 @@ def plan_checkpoints(
         seconds = max(0.0, recompute_seconds(trace, planned_trace, draft, clock))
         return _re_estimated(replace(draft, recompute_seconds=seconds), unplanned, planned)
 
-    block_bytes = device_model(device, gpu).block_bytes
+    allocator = device_model(device, gpu)
+    block_bytes = allocator.block_bytes
     seconds_of = partial(op_seconds, trace=trace, model=clock)
     writers = in_place_writers(trace)
     candidates = candidate_blocks(trace, block_bytes, seconds_of, writers)
@@ -637,7 +638,7 @@ def plan_checkpoints(
     fitting = [o for o in checked if o.plan.feasible]
     if rejected is not None and not fitting:
         return PlanResult(rejected.plan, unplanned, rejected.planned, candidates, rejected.solution,
-                          peak_floor(trace, device_model(device, gpu)), checked=False)
+                          peak_floor(trace, allocator), checked=False)
     if fitting:
         best = min(fitting, key=lambda o: o.plan.recompute_flops)
     else:  # the lowest peak any plan reached (the first of equals), as the estimator sees it
@@ -650,7 +651,7 @@ def plan_checkpoints(
             best = Outcome(*re_estimate(none.draft), none.solution)
     if best.plan.method != method and best.plan.method in BASELINES:
         best = replace(best, plan=replace(best.plan, method=f"{method} (via {best.plan.method})"))
-    return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, device_model(device, gpu)))
+    return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, allocator))
 
 
 def _solve(method: str, problem: ChainProblem) -> Solution:

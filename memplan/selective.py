@@ -929,7 +929,8 @@ def plan_selective(
 
     residues: dict[str, int] = {}  # learnt from each replayed or re-estimated plan, per block checkpointed alone
     modelled = _modelled_holds(blocks)
-    block_bytes = device_model(device, gpu).block_bytes
+    allocator = device_model(device, gpu)
+    block_bytes = allocator.block_bytes
     estimated: dict[tuple[Segment, ...], tuple[Plan, Estimate]] = {}  # plans the estimator ran on
     timeline = Timeline(trace)
 
@@ -1094,7 +1095,7 @@ def plan_selective(
         selective=solution, blocks=blocks, exclusions=exclusions, recompute_flops=best.plan.recompute_flops,
         recompute_seconds=seconds, step_seconds=base_seconds, processor=clock.name, objective=objective,
         solve_seconds=solve_seconds, plan_seconds=time.perf_counter() - started, rounds=len(estimated), replays=len(replays.done),
-        floor=peak_floor(trace, device_model(device, gpu)))
+        floor=peak_floor(trace, allocator))
 
 
 def plan_overhead(
