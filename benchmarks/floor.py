@@ -4,9 +4,9 @@
                                [--precision fp32] [--optimizer sgd] [--grad-accum 1] [--device cpu]
 
 Per model (`zoo`: the zoo at small sizes; `hf`: benchmarks/hf_architectures.py's Hugging Face
-architectures, which need transformers): random checkpoint plans (disjoint segments drawn from the
-block-level planner's candidates at any depth, modules and runs of siblings), each estimated with the
-plan applied, and the lowest plan of each planner (budget 0: block level, and selective without a
+architectures, which need transformers, built with use_cache=False as for checkpointing): random
+checkpoint plans (disjoint segments drawn from the block-level planner's candidates at any depth,
+modules and runs of siblings), each estimated with the plan applied, and the lowest plan of each planner (budget 0: block level, and selective without a
 baseline). Reports the floor, the lowest predicted peak of them all, their ratio (1: the floor is that
 plan's peak; how close it comes is how much it can prove), and how many plans lie under the floor, which
 would disprove it. Two steps of --precision and --optimizer, on --device's allocator model (plans and
@@ -44,7 +44,8 @@ def workloads(names: str, batch: int) -> list[Workload]:
             raise BadInput("--models hf needs Hugging Face transformers (pip install transformers)") from None
         import hf_architectures
 
-        return [Workload(name, build, batch, {}) for name, build in hf_architectures.MODELS.items()]
+        return [Workload(name, hf_architectures.without_cache(build), batch, {})
+                for name, build in hf_architectures.MODELS.items()]
     chosen = list(TINY_OVERRIDES) if names == "zoo" else names.split(",")
     return [resolve_workload(name, batch, TINY_OVERRIDES.get(name, {})) for name in chosen]
 

@@ -13,7 +13,8 @@ made, which the estimate, blind to values, assumes is). Random layer skipping (l
 estimate assumes every layer runs.
 
 --plan FRACTION: instead, a selective checkpoint plan (memplan.selective.plan_selective, priced on the CPU)
-for a budget of FRACTION of the predicted unplanned peak: the plan's predicted peak, the peak the CPU
+for a budget of FRACTION of the predicted unplanned peak of the model built with `use_cache=False`
+(as one trains with checkpoints; see without_cache): the plan's predicted peak, the peak the CPU
 allocator measures on the planned model, whether the planned model's fp32 gradients equal eager's
 (dropout included, the same seed), its recompute FLOPs %, the planning time and what it checkpoints.
 """
@@ -345,11 +346,25 @@ def main() -> None:
     print(f"\n{exact}/{compared} compared rows exact in every phase")
 
 
+def without_cache(build: Build) -> Build:
+    """The model as one trains it with checkpoints: `use_cache=False`, as transformers' own gradient
+    checkpointing forces and as memplan's planner asks (a layer that stores into its cache cannot be
+    recomputed, so the planner leaves it out)."""
+
+    def built(batch_size: int = BATCH) -> tuple[Any, dict]:
+        model, inputs = build(batch_size)
+        if hasattr(getattr(model, "config", None), "use_cache"):
+            model.config.use_cache = False
+        return model, inputs
+
+    return built
+
+
 def plans(args: argparse.Namespace) -> None:
     rows, exact, fitted, tried = [], 0, 0, 0
     for name in args.models.split(","):
         for precision in args.precisions.split(","):
-            workload = Workload(name, MODELS[name], args.batch, {})
+            workload = Workload(name, without_cache(MODELS[name]), args.batch, {})
             config = StepConfig(precision=precision, optimizer=args.optimizer, grad_accum=args.grad_accum, steps=2)
             try:
                 unplanned = estimate(workload, config, device="cpu")

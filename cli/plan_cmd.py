@@ -229,14 +229,15 @@ def plan_command(
     if plot:
         note(f"wrote {plot}")
     if not plan.feasible:
-        proof = (
-            f"; none can: at {floor.op} backward holds {format_bytes(floor.peak_bytes)} whatever is recomputed"
-            if floor.peak_bytes > budget_bytes else ""
-        )
+        reached = f"the smallest reached is {_smallest_reached(plan)}"
+        if floor.peak_bytes > budget_bytes:
+            raise DoesNotFit(
+                f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; {reached}; "
+                f"none can: at {floor.op} backward holds {format_bytes(floor.peak_bytes)} whatever is recomputed")
+        # the floor proves nothing here: a plan the planners do not consider could lie between
         raise DoesNotFit(
-            f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; "
-            f"the smallest reached is {_smallest_reached(plan)}{proof}"
-        )
+            f"does not fit: no plan found brings the peak under {format_bytes(budget_bytes)}; {reached}; "
+            f"none is proven impossible (no plan goes under {format_bytes(floor.peak_bytes)})")
 
 
 def _least_recompute(workload, config, budget_bytes, device, processor, cache):

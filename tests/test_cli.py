@@ -194,6 +194,23 @@ def test_plan_that_cannot_fit_exits_2_after_printing_its_json():
     assert result.stderr.startswith("memplan: does not fit: no checkpoint plan brings the peak under 1.00 KiB")
 
 
+def test_a_plan_not_found_above_the_floor_is_not_called_impossible():
+    """Between the floor and the lowest plan found, a plan may exist that the planners do not consider:
+    the message must not claim that none can fit."""
+    from memplan.planner import plan_checkpoints
+
+    workload = resolve_workload("mlp", 4, TINY_OVERRIDES["mlp"])
+    lowest = plan_checkpoints(workload, StepConfig(precision="fp32", optimizer="sgd", steps=2), 0, device="cpu")
+    assert lowest.floor.peak_bytes < lowest.plan.predicted_peak_bytes  # a gap to put the budget in
+    budget = (lowest.floor.peak_bytes + lowest.plan.predicted_peak_bytes) // 2
+    options = [f"--set={k}={v}" for k, v in TINY_OVERRIDES["mlp"].items()]
+    result = runner.invoke(app, ["plan", "mlp", "-b", "4", *options, "-o", "sgd", "--device", "cpu",
+                                 "--budget", str(budget)])
+    assert result.exit_code == 2, result.output
+    assert "does not fit: no plan found brings the peak under" in result.stderr
+    assert "none is proven impossible" in result.stderr and "none can" not in result.stderr
+
+
 def test_max_batch_table_json_and_exit_2():
     args = ["max-batch", "mlp", *TINY_MLP, "-o", "sgd", "--device", "cpu", "--budget", "40KiB"]
     table = runner.invoke(app, args)
