@@ -50,13 +50,23 @@ ROLES = ("weights", "gradients", "optimizer_state", "activations", "temporaries"
 # checkpointing ignores them too, so they are answered and not recorded (two in three dispatches of a step).
 _METADATA_QUERIES = SAC_IGNORED_OPS - {torch.ops.aten.detach.default}
 
+# torch.unique and unique_consecutive: over unknown values, every element (or slice along `dim`) is taken
+# to be distinct (an upper bound)
+_UNIQUE = {torch.ops.aten._unique2.default, torch.ops.aten._unique.default, torch.ops.aten.unique_dim.default,
+           torch.ops.aten.unique_consecutive.default, torch.ops.aten.unique_dim_consecutive.default}
 # Ops whose output shape depends on data. Exact where their operands' values are known (see
 # `_Recorder.known`); otherwise every element is selected (an upper bound), the selection's values are
 # known where the operands' are (nonzero's: every index of its input, in order), and the estimate is
 # marked approximate, naming the op. bincount, the one exception to the upper bound, takes `minlength`
 # bins (or one per element without it).
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
-                   torch.ops.aten.bincount.default}
+                   torch.ops.aten.bincount.default, *_UNIQUE}
+# Advanced indexing by a bool (or uint8) mask, `x[mask]` and `x[mask] = v`: eager's kernels replace each mask
+# by the indices of its true elements (aten/src/ATen/native/IndexingUtils.h expandTensors: `mask.nonzero()`,
+# held for the op), which the fake kernels do too, below the recorder, where a data-dependent shape fails.
+# The recorder does that replacement itself, through `_data_dependent`'s nonzero.
+_MASK_INDEXED = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                 torch.ops.aten._index_put_impl_.default}
 # Backward formulas (torch/csrc/autograd/FunctionsManual.cpp) that write the gradient into a fresh zeros
 # tensor in place, but out of place when any operand is a tensor subclass (`areAnyTensorSubclassLike`, as
 # fake tensors are): value_selecting_reduction_backward (sort, topk, kthvalue, median, max.dim: `scatter_`),
@@ -377,6 +387,7 @@ class _Recorder(TorchDispatchMode):
         self.found_inf: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
         self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
+        self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
         # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
@@ -446,6 +457,9 @@ class _Recorder(TorchDispatchMode):
         self._alias_conversions(inputs)
         written = _written_arguments(func, args, kwargs)
         data_dependent = func in _DATA_DEPENDENT
+        indexed, mask_bytes = self._masks_as_indices(func, args) if func in _MASK_INDEXED else (args, 0)
+        if func is torch.ops.aten.split_with_sizes.default:
+            indexed = self._balanced_split(args)
         if data_dependent:
             out = self._data_dependent(func, args, kwargs)
         elif func in _SHAPE_FROM_ARGUMENTS:
@@ -453,7 +467,8 @@ class _Recorder(TorchDispatchMode):
             if not exact:
                 self.approximate.append(str(func))
         else:
-            out = self.rules.fix_outputs(func, args, kwargs, _as_eager_views(func, args, func(*args, **kwargs)))
+            out = self.rules.fix_outputs(func, indexed, kwargs,
+                                         _as_eager_views(func, indexed, func(*indexed, **kwargs)))
         flat_out = tree_flatten(out)[0]
         if not data_dependent:
             self.known.run(func, args, kwargs, flat_out, written)
@@ -471,7 +486,7 @@ class _Recorder(TorchDispatchMode):
             storage = t.untyped_storage()
             if storage not in self.ids and storage not in read_storages:
                 allocates.append(self.register(t, "temporaries", index))
-        scratch = int(self.rules.scratch(func, args, kwargs, out))
+        scratch = int(self.rules.scratch(func, indexed, kwargs, out)) + mask_bytes
         if scratch:
             self.events.append(Event("scratch", op=index, nbytes=scratch))
         flops = 0
@@ -546,12 +561,52 @@ class _Recorder(TorchDispatchMode):
     def _scalar(self, tensor: torch.Tensor) -> Any:
         # A known value reads as itself. Any other data-dependent scalar: GradScaler's overflow flag
         # reads "no overflow"; any other value (optimizer step counters) reads 1 (True, 1.0), which
-        # changes no shape or allocation.
+        # changes no shape or allocation; counted for split sizes (_balanced_split).
         if tensor in self.known:
             return self.known.item(tensor)
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
-        return True if tensor.dtype == torch.bool else 1 if not tensor.is_floating_point() else 1.0
+        if tensor.dtype == torch.bool:
+            return True
+        if tensor.is_floating_point():
+            return 1.0
+        self.unknown_integers += 1
+        return 1
+
+    def _masks_as_indices(self, func: Any, args: tuple) -> tuple[tuple, int]:
+        """`_MASK_INDEXED`'s arguments with each bool or uint8 index replaced by the indices of its true
+        elements (exact where the mask's values are known, else every element), and the bytes of those
+        indices, which the kernel holds while it runs. `x[mask] = scalar` is a masked fill and holds
+        none (TensorAdvancedIndexing.cpp _index_put_impl_: canDispatchToMaskedFill)."""
+        indices = args[1]
+        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return args, 0
+        accumulate = len(args) > 3 and args[3]
+        masks = [i for i in indices if i is not None]
+        if func is not torch.ops.aten.index.Tensor and not accumulate and len(masks) == 1 \
+                and masks[0].dtype == torch.bool and args[2].numel() == 1:
+            return args, 0
+        expanded, held = [], 0
+        for index in indices:
+            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+                where = self._data_dependent(torch.ops.aten.nonzero.default, (index,), {})
+                held += where.untyped_storage().nbytes()
+                expanded.extend(where.select(1, d) for d in range(index.dim()))
+            else:
+                expanded.append(index)
+        return (args[0], expanded, *args[2:]), held
+
+    def _balanced_split(self, args: tuple) -> tuple:
+        """split_with_sizes whose sizes do not add up to the dimension, after integers were read back from
+        unknown values (each reads 1: a mixture of experts' tokens per expert, `counts.tolist()`): the
+        rows shared evenly among the parts (the split's views allocate nothing; what follows takes its
+        sizes from them). Without such reads, the sizes are the step's own and fail as in eager."""
+        x, sizes, dim = args[0], list(args[1]), args[2] if len(args) > 2 else 0
+        if not self.unknown_integers or not sizes or sum(sizes) == x.shape[dim]:
+            return args
+        rows = x.shape[dim]
+        self.approximate.append(str(torch.ops.aten.split_with_sizes.default))
+        return (x, [rows // len(sizes) + (i < rows % len(sizes)) for i in range(len(sizes))], *args[2:])
 
     def _data_dependent(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """The output of a data-dependent op (`_DATA_DEPENDENT`): exact from known operands, or assumed."""
@@ -564,11 +619,18 @@ class _Recorder(TorchDispatchMode):
             with _disable_current_modes():
                 bounded = values is not None and (values.numel() == 0 or int(values.max()) < _KNOWN_LIMIT)
         real = self.known.compute(func, args, kwargs, []) if bounded else None
-        if isinstance(real, torch.Tensor):
-            out = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=x.device)
-            if self.known.keeps(out):
-                self.known.keep([out], [real])
-            return out
+        assumed = real is None and func in _UNIQUE
+        if assumed:  # values all distinct, laid out as x: the most a unique can return
+            with _disable_current_modes():
+                distinct = torch.arange(x.numel()).reshape(x.shape).to(x.dtype)
+                real = func(distinct, *args[1:], **kwargs)
+            self.approximate.append(str(func))
+        if real is not None:
+            reals = [real] if isinstance(real, torch.Tensor) else list(real)
+            outs = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=x.device) for r in reals]
+            if not assumed and all(self.known.keeps(o) for o in outs):
+                self.known.keep(outs, reals)
+            return outs[0] if isinstance(real, torch.Tensor) else tuple(outs)
         self.approximate.append(str(func))
         if func is torch.ops.aten.nonzero.default:  # every index, in order
             out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
@@ -1333,7 +1395,10 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
                 recorder.saved_at[sid].add(recorder.module_hooks)
             if sid is not None and recorder.storages[sid]["role"] == "temporaries":
                 recorder.storages[sid]["role"] = "activations"
-            return _without_graph(tensor)
+            kept = _without_graph(tensor)
+            if tensor in recorder.known:  # backward reads the same values (a mask indexing as in forward)
+                recorder.known.keep([kept], [recorder.known.real[tensor]])
+            return kept
 
         run_kwargs = {"autocast": rules.autocast} if rules.autocast else {}
         try:

@@ -6,7 +6,8 @@ Each model here exercises one mechanism that an unseen model broke: building und
 an input-sized storage, col2im, GELU's oneDNN backward over mismatched layouts, pooling over
 transposed inputs, LayerNorm's contiguous gradient, BatchNorm's row-major output and input gradient),
 the autograd engine summing a view's gradient out of place (tied embeddings), packed sequences, and
-steps that read values back (a 0-dim tensor formatted into a key, NumPy, integer buffers). The ground
+steps that read values back (a 0-dim tensor formatted into a key, NumPy, integer buffers), indexing by
+bool masks, torch.unique, and splits by counts read back. The ground
 truth is always `memplan.verify.measure`.
 """
 
@@ -566,6 +567,101 @@ def test_known_values_under_tracing():
         assert big not in recorder.known and int(big[-1]) == 1
         assert float(torch.arange(3).float()[2]) == 2.0  # small float tensors from constants are kept too
         assert float(unknown[0, 0]) == 1.0  # a value nobody knows reads as 1
+
+
+
+def masked_rows(batch_size: int = 4, kind: str = "select", known: bool = True):
+    """Indexing by a bool mask (a loss over the valid tokens, X-MOD's `hidden[lang_ids == i]`, GLPN's
+    `target[target > 0]`): eager's kernels index by the mask's nonzero(), which the fake kernels do
+    below the tracer, where the data-dependent shape failed. Forward gathers the rows, backward scatters
+    the gradient back by the same (saved) mask."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 256)
+
+        def forward(self, x):
+            h = self.fc(x)  # (batch, 64, 256)
+            rows = torch.arange(h.shape[0] * h.shape[1]).reshape(h.shape[:2])
+            mask = rows % 3 == 0 if known else h[..., 0] > 0
+            if kind == "select":
+                return (h[mask] * 2).square().sum()
+            if kind == "elements":  # a mask over every dimension
+                return h[(torch.arange(h.numel()).reshape(h.shape) % 5 == 0)].square().sum()
+            if kind == "put":  # x[mask] = values: index_put_ by the mask
+                out = torch.zeros_like(h)
+                out[mask] = h[mask] * 3
+                return out.square().sum()
+            h = h.clone()
+            h[mask] = 0.0  # x[mask] = scalar: eager's masked fill, no nonzero
+            return h.square().sum()
+
+    return Net(), (torch.randn(batch_size, 64, 64),)
+
+
+@pytest.mark.parametrize("kind,precision", [("select", "fp32"), ("elements", "fp32"), ("put", "bf16"),
+                                            ("fill", "fp32")])
+def test_indexing_by_a_known_mask(kind, precision):
+    def build(batch_size: int = 4):
+        return masked_rows(batch_size, kind)
+
+    predicted, _ = _check(build, precision=precision)
+    assert not predicted.approximate  # the mask's values are known, and so is the mask backward saved
+
+
+def test_indexing_by_an_unknown_mask_takes_every_row():
+    def masked_by_values(batch_size: int = 4):
+        return masked_rows(batch_size, "put", known=False)
+
+    predicted, measured = _upper_bound(masked_by_values)
+    assert "aten.nonzero.default" in predicted.approximate_ops
+    assert predicted.peak_bytes <= 2 * measured.measured_peak_bytes
+
+
+def test_unique_over_unknown_values_takes_every_element():
+    def vocabulary_in_use(batch_size: int = 4):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(64, 512)
+
+            def forward(self, x):
+                h = self.fc(x)
+                used = torch.unique(h.argmax(-1))  # ViLT: `valid_idx[:, 0].unique()`
+                return h[:, :, used].square().sum()
+
+        return Net(), (torch.randn(batch_size, 64, 64),)
+
+    predicted, measured = _upper_bound(vocabulary_in_use)
+    assert "aten._unique2.default" in predicted.approximate_ops
+    assert predicted.peak_bytes <= 2 * measured.measured_peak_bytes
+
+
+def test_split_by_counts_read_back_is_balanced():
+    def routed_by_counts(batch_size: int = 2, experts: int = 4, top_k: int = 2):
+        """JetMoE's router: tokens per expert read back (`.tolist()`) and split by; unknown, each count
+        reads 1 and the sizes did not add up to the rows."""
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.router = nn.Linear(64, experts, bias=False)
+                self.experts = nn.Parameter(torch.randn(experts, 64, 64) / 8)
+
+            def forward(self, x):
+                x = x.reshape(-1, 64)
+                top = self.router(x).topk(top_k, dim=1).indices
+                counts = torch.zeros(x.shape[0], experts).scatter(1, top, 1).long().sum(0).tolist()
+                grouped = x[top.flatten().sort().indices // top_k]
+                parts = grouped.split(counts, dim=0)
+                return torch.cat([p @ self.experts[i] for i, p in enumerate(parts)]).square().sum()
+
+        return Net(), (torch.randn(batch_size, 32, 64),)
+
+    predicted, _ = _check(routed_by_counts)  # the parts' rows add up to the same bytes however split
+    assert "aten.split_with_sizes.default" in predicted.approximate_ops
+
 
 # --------------------------------------------------------------------------------------------------
 # A sweep of 46 more architectures (PatchTST, CvT, SwitchTransformers, EnCodec, DETR/YOLOS broke
