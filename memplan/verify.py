@@ -27,7 +27,8 @@ import importlib.util
 import inspect
 import random
 import re
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from memplan.workload import Workload, same_model
 SEED = 0
 SNAPSHOT_MAX_ENTRIES = 100_000
 _MARK = "memplan::phase::"  # profiler marker name prefix: memplan::phase::<phase>::<step>
+_FREED = "freed"  # marker phase: a storage of the state from before profiling was freed
 _CPU_MEMORY_DEVICES = ("CPU", "MKLDNN", "IDEEP")  # as torch.autograd.profiler counts CPU memory
 _CPU_OOM = re.compile(r"can't allocate memory|cannot allocate memory|not enough memory|out of memory", re.IGNORECASE)
 
@@ -463,6 +465,11 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
 def live_state_bytes(prepared: PreparedStep) -> int:
     """Bytes held by the step's state: unique storages (by data pointer) of the parameters and their
     grads, buffers, inputs, master weights, optimizer state and scaler tensors, on the step's device."""
+    return sum(storage.nbytes() for storage in _state_storages(prepared).values())
+
+
+def _state_storages(prepared: PreparedStep) -> dict[int, torch.UntypedStorage]:
+    """live_state_bytes' storages, by data pointer."""
     tensors: list[torch.Tensor] = []
     for param in prepared.model.parameters():
         tensors += [param, param.grad] if param.grad is not None else [param]
@@ -476,14 +483,23 @@ def live_state_bytes(prepared: PreparedStep) -> int:
     tensors += list(_tensors_in(list(prepared.optimizer.state.values())))
     if prepared.scaler is not None:
         tensors += [t for t in vars(prepared.scaler).values() if isinstance(t, torch.Tensor)]
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.UntypedStorage] = {}
     for tensor in tensors:
         if tensor.device != prepared.device or tensor.is_meta:
             continue
         storage = tensor.untyped_storage()
         if storage.data_ptr() != 0:
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+            seen[storage.data_ptr()] = storage
+    return seen
+
+
+def _mark_frees_of(storages: Iterable[torch.UntypedStorage]) -> None:
+    """A marker when each of `storages` is freed (a buffer the forward replaces: `self.stat = ...`).
+    The profiler reports no free of a block allocated before it started, so the timeline would keep
+    counting it."""
+    for storage in storages:
+        finalizer = weakref.finalize(storage, _mark, _FREED, storage.nbytes())
+        finalizer.atexit = False
 
 
 def _mark(phase: str, step: int) -> None:
@@ -504,6 +520,7 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
     # garbage left from building (or from earlier runs) is neither counted nor freed, so there is no
     # need to collect it first (a full collection costs more than a tiny model's steps).
     baseline = live_state_bytes(prepared)
+    _mark_frees_of(_state_storages(prepared).values())
 
     def on_phase(phase: str, step: int) -> None:
         tracker.update(phase, step)
@@ -537,7 +554,8 @@ def _cpu_timeline(results: Any, baseline: int) -> tuple[_Peaks, int]:
 
     Only frees of blocks allocated in this session count: c10's ProfiledCPUMemoryReporter remembers
     the size of a block allocated while profiling and freed outside it, and would report that stale
-    size against whatever block a later session places at the same address."""
+    size against whatever block a later session places at the same address. The state's storages
+    from before it are freed by their markers (_mark_frees_of)."""
     timeline: list[tuple[int, int, str | None, int, int]] = []  # (time, order, marker or None, bytes, address)
     nodes = list(results.experimental_event_tree())
     while nodes:
@@ -556,8 +574,11 @@ def _cpu_timeline(results: Any, baseline: int) -> tuple[_Peaks, int]:
     segment: tuple[str, int] | None = None
     for _, _, marker, nbytes, address in timeline:
         if marker is not None:
-            phase, _, step = marker.rpartition("::")
-            segment = None if phase == "end" else (phase, int(step))
+            phase, _, number = marker.rpartition("::")
+            if phase == _FREED:  # a storage live before profiling, of `number` bytes
+                live -= int(number)
+            else:
+                segment = None if phase == "end" else (phase, int(number))
         elif nbytes > 0:
             allocated.add(address)
             live += nbytes
