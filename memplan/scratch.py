@@ -603,6 +603,35 @@ def _sum(args: tuple, kwargs: dict, out: Any) -> int:
     return _reduction_input_copy(args[0], out.dtype) + _two_pass_buffer(args[0].numel(), out, out.dtype)
 
 
+@scratch_rule("cpu", aten.sum.dim_IntList)
+def _sum_over_dims(args: tuple, kwargs: dict, out: Any) -> int:
+    """As _sum, except that a bf16/fp16 sum whose reduced dimensions stay two or more after
+    TensorIterator coalesces them (a per-channel gradient, over (0, 2, 3) of NCHW) sums a float32 copy
+    of the input into a float32 result, then copies that into the output (sum_out: should_use_acc_buffer)."""
+    self = args[0]
+    if self.dtype == out.dtype and _sums_into_float(self, args[1] if len(args) > 1 else None, out):
+        return 4 * (self.numel() + out.numel()) + _two_pass_buffer(self.numel(), out, torch.float32)
+    return _sum(args, kwargs, out)
+
+
+def _sums_into_float(self: torch.Tensor, dims: Any, out: torch.Tensor) -> bool:
+    """ReduceOps.cpp should_use_acc_buffer: a reduced-precision sum whose iterator keeps two reduced
+    dimensions innermost. TensorIterator moves every reduced dimension to the front, ordered by the
+    input's strides, and coalesces neighbours that are contiguous in memory (size-1 dimensions vanish)."""
+    if out.dtype not in _REDUCED or self.dim() == 0:
+        return False
+    reduced = set(range(self.dim())) if not dims else {d % self.dim() for d in dims}
+    order = [d for d in reversed(range(self.dim())) if d in reduced and self.shape[d] != 1]
+    order.sort(key=lambda d: self.stride(d))
+    groups, stride, size = 0, None, 1
+    for d in order:
+        if stride is None or stride * size != self.stride(d):
+            groups, stride, size = groups + 1, self.stride(d), self.shape[d]
+        else:
+            size *= self.shape[d]
+    return groups >= 2
+
+
 @scratch_rule("cpu", aten.mean.dim, aten.mean.default)
 def _mean(args: tuple, kwargs: dict, out: Any) -> int:
     """ReduceOps.cpp TORCH_IMPL_FUNC(mean_out), CPU branch: bf16/fp16 results are computed in a

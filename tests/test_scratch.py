@@ -78,6 +78,20 @@ def test_reductions(op, make_args, kwargs):
     assert check(op, make_args, kwargs) > 0
 
 
+@pytest.mark.parametrize("shape, dims, channels_last, dtype, in_float", [
+    ((2, 8, 16, 16), [0, 2, 3], False, BF16, True),  # a per-channel gradient: two reduced runs
+    ((2, 8, 16, 16), [0, 2, 3], True, BF16, False),  # channels-last: one run in memory
+    ((2, 8, 16, 16), [2, 3], False, torch.float16, False),
+    ((4, 8, 16), [0, 2], False, torch.float16, True),
+    ((4, 8, 16), [0, 1], False, BF16, False),  # reduced dimensions go innermost: one run
+    ((2, 8, 16, 16), [0, 2, 3], False, torch.float32, False),
+], ids=["bf16-nchw", "bf16-nhwc", "fp16-hw", "fp16-outer-inner", "bf16-leading", "fp32"])
+def test_reduced_precision_sums_through_a_float_buffer(shape, dims, channels_last, dtype, in_float):
+    """sum_out's should_use_acc_buffer: a float32 copy of the input and a float32 result."""
+    measured = check(aten.sum.dim_IntList, lambda: (randn(*shape, dtype=dtype, channels_last=channels_last), dims))
+    assert (measured > 0) == in_float
+
+
 # --------------------------------------------------------------------------------------------------
 # Formulas from PyTorch's CPU kernels
 
