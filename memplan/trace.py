@@ -454,6 +454,9 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(args[0])
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        refusal = _eager_refusal(func, args, kwargs, inputs)
+        if refusal:
+            raise RuntimeError(f"{func}: {refusal}")
         self._alias_conversions(inputs)
         written = _written_arguments(func, args, kwargs)
         data_dependent = func in _DATA_DEPENDENT
@@ -654,6 +657,43 @@ def _bincount_output(x: torch.Tensor, weights: torch.Tensor | None = None, minle
     bins = minlength if minlength > 0 else x.numel()
     dtype = torch.long if weights is None else weights.dtype if weights.dtype == torch.float else torch.double
     return torch.empty((bins,), dtype=dtype, device=x.device)
+
+
+# Checks eager's CPU and CUDA kernels make that the fake kernels skip: without them the estimate would
+# be a step that cannot run
+_SAME_DTYPE_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                        torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten.mv.default,
+                        torch.ops.aten.addmv.default, torch.ops.aten.dot.default, torch.ops.aten.vdot.default}
+_FILLS = {torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar, torch.ops.aten.masked_fill.Scalar,
+          torch.ops.aten.masked_fill_.Scalar, torch.ops.aten.full.default, torch.ops.aten.full_like.default}
+
+
+def _eager_refusal(func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
+    """What eager raises where the fake kernel goes on: matrix products of mixed dtypes (a float32
+    tensor made in the forward times bf16 weights), and a fill value the dtype cannot hold
+    (`masked_fill(mask, torch.finfo(torch.float32).min)` on a bf16 tensor; c10::checked_convert)."""
+    if func in _SAME_DTYPE_PRODUCTS:
+        dtypes = [t.dtype for t in inputs]
+        if len(set(dtypes)) > 1:
+            return f"operands must have the same dtype, got {', '.join(str(d) for d in dtypes)}"
+        return None
+    if func not in _FILLS:
+        return None
+    value = args[-1] if func in (torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar,
+                                 torch.ops.aten.masked_fill.Scalar, torch.ops.aten.masked_fill_.Scalar) else args[1]
+    if func in (torch.ops.aten.full.default, torch.ops.aten.full_like.default):
+        dtype = kwargs.get("dtype") or (args[0].dtype if func is torch.ops.aten.full_like.default
+                                        else torch.get_default_dtype())
+    else:
+        dtype = args[0].dtype
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or dtype == torch.bool:
+        return None
+    if dtype.is_floating_point:
+        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
+            return f"value cannot be converted to type {dtype} without overflow"
+    elif not dtype.is_complex and not torch.iinfo(dtype).min <= value <= torch.iinfo(dtype).max:
+        return f"value cannot be converted to type {dtype} without overflow"
+    return None
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

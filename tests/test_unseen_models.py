@@ -1013,3 +1013,37 @@ def summed_projection(batch_size: int = 4):
 
 def test_matmul_of_an_expanded_gradient_clones_it():
     _check(summed_projection)
+
+
+class _MixedProduct(nn.Module):
+    """MRA in bf16: a float32 tensor made in the forward times bf16 activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return (torch.ones(16, 16) @ self.fc(x).transpose(0, 1)).sum()
+
+
+class _OverflowingFill(nn.Module):
+    """DeBERTa in bf16: `masked_fill(mask, torch.finfo(torch.float32).min)`, beyond bf16's range."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.masked_fill(h > 0, torch.finfo(torch.float32).min).float().sum()
+
+
+@pytest.mark.parametrize("net, refusal", [(_MixedProduct, "same dtype"), (_OverflowingFill, "overflow")])
+def test_steps_eager_refuses_are_not_estimated(net, refusal):
+    """The fake kernels skip checks that eager's make: the estimate must fail as the real step does."""
+    with pytest.raises(RuntimeError, match=refusal):  # eager, the ground truth
+        net().to(torch.bfloat16)(torch.randn(2, 16, dtype=torch.bfloat16))
+    workload = Workload(net.__name__, lambda batch_size=2: (net(), (torch.randn(batch_size, 16),)), 2, {})
+    with pytest.raises(RuntimeError, match=refusal):
+        estimate(workload, StepConfig(precision="bf16", optimizer="sgd", steps=1), device="cpu")
+    estimate(workload, StepConfig(precision="fp32", optimizer="sgd", steps=1), device="cpu")  # fp32 runs
