@@ -57,10 +57,11 @@ _UNIQUE = {torch.ops.aten._unique2.default, torch.ops.aten._unique.default, torc
 # Ops whose output shape depends on data. Exact where their operands' values are known (see
 # `_Recorder.known`); otherwise every element is selected (an upper bound), the selection's values are
 # known where the operands' are (nonzero's: every index of its input, in order), and the estimate is
-# marked approximate, naming the op. bincount, the one exception to the upper bound, takes `minlength`
-# bins (or one per element without it).
+# marked approximate, naming the op. bincount, an exception to the upper bound, takes `minlength`
+# bins (or one per element without it); repeat_interleave without `output_size`, another, repeats each
+# index once, as each unknown count reads 1.
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
-                   torch.ops.aten.bincount.default, *_UNIQUE}
+                   torch.ops.aten.bincount.default, torch.ops.aten.repeat_interleave.Tensor, *_UNIQUE}
 # Advanced indexing by a bool (or uint8) mask, `x[mask]` and `x[mask] = v`: eager's kernels replace each mask
 # by the indices of its true elements (aten/src/ATen/native/IndexingUtils.h expandTensors: `mask.nonzero()`,
 # held for the op), which the fake kernels do too, below the recorder, where a data-dependent shape fails.
@@ -453,13 +454,16 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(args[0])
+        if func is torch.ops.aten.equal.default:  # eager compares in place, allocating nothing
+            known = self.known.compute(func, args, kwargs, [])
+            return known if known is not None else args[0].shape == args[1].shape  # unknown: as checks expect
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         refusal = _eager_refusal(func, args, kwargs, inputs)
         if refusal:
             raise RuntimeError(f"{func}: {refusal}")
         self._alias_conversions(inputs)
         written = _written_arguments(func, args, kwargs)
-        data_dependent = func in _DATA_DEPENDENT
+        data_dependent = func in _DATA_DEPENDENT and kwargs.get("output_size") is None
         indexed, mask_bytes = self._masks_as_indices(func, args) if func in _MASK_INDEXED else (args, 0)
         if func is torch.ops.aten.split_with_sizes.default:
             indexed = self._balanced_split(args)
@@ -635,6 +639,12 @@ class _Recorder(TorchDispatchMode):
                 self.known.keep(outs, reals)
             return outs[0] if isinstance(real, torch.Tensor) else tuple(outs)
         self.approximate.append(str(func))
+        if func is torch.ops.aten.repeat_interleave.Tensor:  # each index once
+            out = torch.empty((x.numel(),), dtype=x.dtype, device=x.device)
+            if self.known.keeps(out):
+                with _disable_current_modes():
+                    self.known.keep([out], [torch.arange(x.numel(), dtype=x.dtype)])
+            return out
         if func is torch.ops.aten.nonzero.default:  # every index, in order
             out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
             if self.known.keeps(out):
@@ -998,7 +1008,15 @@ def _pad_packed_sequence(data: torch.Tensor, batch_sizes: torch.Tensor, batch_fi
 
 # Composites that eager runs in C++ reading a tensor through its data pointer, which fake tensors have
 # not: rewritten with the same ops (so autograd, the allocations and their order are eager's)
-_REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence}
+def _allclose(input: torch.Tensor, other: torch.Tensor, rtol: float = 1e-05, atol: float = 1e-08,
+              equal_nan: bool = False) -> bool:
+    """TensorCompare.cpp allclose: `isclose(...).all().item()`, read back as any value is (the fake
+    kernel refuses it as data-dependent)."""
+    return bool(torch.isclose(input, other, rtol, atol, equal_nan).all())
+
+
+_REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence,
+                        torch.allclose: _allclose, torch.Tensor.allclose: _allclose}
 
 
 class _Rewrites(torch.overrides.TorchFunctionMode):

@@ -638,6 +638,35 @@ def test_unique_over_unknown_values_takes_every_element():
     assert predicted.peak_bytes <= 2 * measured.measured_peak_bytes
 
 
+def value_checks(batch_size: int = 4, kind: str = "repeat"):
+    """Ops the fake kernels refuse as data-dependent: repeat_interleave by counts (known here: drawn ids),
+    torch.equal and torch.allclose (torch.istft checks its window with one)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 64)
+
+        def forward(self, x, ids):
+            h = self.fc(x)
+            if kind == "repeat":
+                return h.repeat_interleave(ids[:, 0] + 1, dim=0).square().sum()
+            if kind == "equal":
+                return h.sum() if torch.equal(ids, ids) else h.mean()
+            return h.sum() if torch.allclose(h, h * 1.0) else h.mean()
+
+    return Net(), (torch.randn(batch_size, 16), torch.tensor([[2], [0], [1], [3]]).repeat(batch_size // 4, 4))
+
+
+@pytest.mark.parametrize("kind", ["repeat", "equal", "allclose"])
+def test_values_compared_or_repeated_by(kind):
+    def build(batch_size: int = 4):
+        return value_checks(batch_size, kind)
+
+    # allclose runs isclose's ops through the dispatcher, eager inside one kernel: 512 B apart here
+    _check(build, tolerance=0.0 if kind != "allclose" else 0.2)
+
+
 def test_split_by_counts_read_back_is_balanced():
     def routed_by_counts(batch_size: int = 2, experts: int = 4, top_k: int = 2):
         """JetMoE's router: tokens per expert read back (`.tolist()`) and split by; unknown, each count
