@@ -1015,8 +1015,21 @@ def _allclose(input: torch.Tensor, other: torch.Tensor, rtol: float = 1e-05, ato
     return bool(torch.isclose(input, other, rtol, atol, equal_nan).all())
 
 
+def _one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """Onehot.cpp's eager path, `aminmax` (its checks), zeros, `scatter_`: the fake kernel's
+    `arange(num_classes) == tensor` holds a bool copy of the result beside it."""
+    low, high = torch.aminmax(tensor) if tensor.numel() else (0, num_classes - 1)
+    if int(low) < 0:
+        raise RuntimeError("Class values must be non-negative.")
+    if num_classes == -1:
+        num_classes = int(high) + 1
+    out = torch.zeros((*tensor.shape, num_classes), dtype=torch.long, device=tensor.device)
+    return out.scatter_(-1, tensor.unsqueeze(-1), 1)
+
+
 _REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence,
-                        torch.allclose: _allclose, torch.Tensor.allclose: _allclose}
+                        torch.allclose: _allclose, torch.Tensor.allclose: _allclose,
+                        torch.nn.functional.one_hot: _one_hot}
 
 
 class _Rewrites(torch.overrides.TorchFunctionMode):

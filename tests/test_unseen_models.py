@@ -640,7 +640,8 @@ def test_unique_over_unknown_values_takes_every_element():
 
 def value_checks(batch_size: int = 4, kind: str = "repeat"):
     """Ops the fake kernels refuse as data-dependent: repeat_interleave by counts (known here: drawn ids),
-    torch.equal and torch.allclose (torch.istft checks its window with one)."""
+    torch.equal and torch.allclose (torch.istft checks its window with one); and F.one_hot, which they
+    decompose otherwise than eager."""
 
     class Net(nn.Module):
         def __init__(self):
@@ -653,12 +654,14 @@ def value_checks(batch_size: int = 4, kind: str = "repeat"):
                 return h.repeat_interleave(ids[:, 0] + 1, dim=0).square().sum()
             if kind == "equal":
                 return h.sum() if torch.equal(ids, ids) else h.mean()
+            if kind == "one_hot":  # the fake kernel's `arange == ids` held a bool copy of the result beside it
+                return h.sum() * F.one_hot(ids, 1000).sum(0).float().mean()
             return h.sum() if torch.allclose(h, h * 1.0) else h.mean()
 
     return Net(), (torch.randn(batch_size, 16), torch.tensor([[2], [0], [1], [3]]).repeat(batch_size // 4, 4))
 
 
-@pytest.mark.parametrize("kind", ["repeat", "equal", "allclose"])
+@pytest.mark.parametrize("kind", ["repeat", "equal", "allclose", "one_hot"])
 def test_values_compared_or_repeated_by(kind):
     def build(batch_size: int = 4):
         return value_checks(batch_size, kind)
