@@ -264,10 +264,11 @@ for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator
 
 
 def _probe_unless_contiguous(func: Any) -> ScratchFormula:
-    """Pooling backward kernels (aten/src/ATen/native/cpu/MaxPoolKernel.cpp, AvgPoolKernel.cpp,
-    AdaptiveMaxPoolKernel.cpp) take `.contiguous(memory_format)` copies of a gradient or input laid out
-    otherwise (max_pool1d over a transposed sequence): contiguous operands need nothing beyond the
-    output; any other layout is measured."""
+    """Pooling kernels, forward and backward (aten/src/ATen/native/cpu/MaxPoolKernel.cpp,
+    AvgPoolKernel.cpp, AdaptiveMaxPoolKernel.cpp), pixel and channel shuffles and the reflection and
+    replication pads take `.contiguous(memory_format)` copies of a gradient or input laid out otherwise
+    (max_pool1d over a transposed sequence, MViT's pooling of a transposed attention head): row-major
+    operands need nothing beyond the output; any other layout is measured."""
 
     def formula(args: tuple, kwargs: dict, out: Any) -> int:
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -280,8 +281,21 @@ def _probe_unless_contiguous(func: Any) -> ScratchFormula:
     return formula
 
 
-for _op in (aten.max_pool2d_with_indices_backward.default, aten.avg_pool2d_backward.default,
-            aten.adaptive_max_pool2d_backward.default, aten._adaptive_avg_pool2d_backward.default):
+for _op in (aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
+            aten.avg_pool2d.default, aten.avg_pool2d_backward.default,
+            aten.adaptive_max_pool2d.default, aten.adaptive_max_pool2d_backward.default,
+            aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
+            aten.max_pool3d_with_indices.default, aten.max_pool3d_with_indices_backward.default,
+            aten.avg_pool3d.default, aten.avg_pool3d_backward.default,
+            aten.adaptive_max_pool3d.default, aten.adaptive_max_pool3d_backward.default,
+            aten._adaptive_avg_pool3d.default, aten._adaptive_avg_pool3d_backward.default,
+            aten.pixel_shuffle.default, aten.pixel_unshuffle.default, aten.channel_shuffle.default,
+            aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default,
+            aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
+            aten.reflection_pad3d_backward.default,
+            aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default,
+            aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+            aten.replication_pad3d_backward.default):
     scratch_rule("cpu", _op)(_probe_unless_contiguous(_op))
 
 # nn.LSTM/GRU on the CPU: aten/src/ATen/native/RNN.cpp lstm() takes the oneDNN path (use_mkldnn) and

@@ -673,14 +673,16 @@ def _bincount_output(x: torch.Tensor, weights: torch.Tensor | None = None, minle
 # be a step that cannot run
 _SAME_DTYPE_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                         torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten.mv.default,
-                        torch.ops.aten.addmv.default, torch.ops.aten.dot.default, torch.ops.aten.vdot.default}
+                        torch.ops.aten.addmv.default, torch.ops.aten.dot.default, torch.ops.aten.vdot.default,
+                        torch.ops.aten.grid_sampler_2d.default, torch.ops.aten.grid_sampler_3d.default}
 _FILLS = {torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar, torch.ops.aten.masked_fill.Scalar,
           torch.ops.aten.masked_fill_.Scalar, torch.ops.aten.full.default, torch.ops.aten.full_like.default}
 
 
 def _eager_refusal(func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
-    """What eager raises where the fake kernel goes on: matrix products of mixed dtypes (a float32
-    tensor made in the forward times bf16 weights), and a fill value the dtype cannot hold
+    """What eager raises where the fake kernel goes on: matrix products and grid samples of mixed dtypes
+    (a float32 tensor made in the forward times bf16 weights, RAFT's float32 grid over a bf16 volume),
+    and a fill value the dtype cannot hold
     (`masked_fill(mask, torch.finfo(torch.float32).min)` on a bf16 tensor; c10::checked_convert)."""
     if func in _SAME_DTYPE_PRODUCTS:
         dtypes = [t.dtype for t in inputs]

@@ -78,6 +78,26 @@ def test_reductions(op, make_args, kwargs):
     assert check(op, make_args, kwargs) > 0
 
 
+def _transposed(*shape):  # neither row-major nor channels-last: a transposed activation
+    return torch.randn(*shape).transpose(1, 2)
+
+
+@pytest.mark.parametrize("op, make_args", [
+    (aten.max_pool2d_with_indices.default, lambda: (_transposed(2, 32, 16, 24), [3, 3], [2, 2], [1, 1])),
+    (aten.avg_pool2d.default, lambda: (randn(2, 16, 12, 12, channels_last=True), [2, 2])),
+    (aten._adaptive_avg_pool2d.default, lambda: (_transposed(2, 32, 16, 24), [3, 3])),
+    (aten.max_pool3d_with_indices.default, lambda: (_transposed(2, 4, 16, 8, 8), [3, 3, 3], [2, 2, 2], [1, 1, 1])),
+    (aten.avg_pool3d_backward.default,
+     lambda: (_transposed(2, 2, 4, 4, 4), randn(2, 4, 4, 8, 8), [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None)),
+    (aten.pixel_shuffle.default, lambda: (_transposed(2, 32, 16, 24), 2)),
+    (aten.reflection_pad2d.default, lambda: (_transposed(2, 32, 16, 24), [1, 1, 1, 1])),
+    (aten.replication_pad1d.default, lambda: (_transposed(2, 32, 16), [2, 2])),
+], ids=["max_pool2d", "avg_pool2d-nhwc", "adaptive_avg_pool2d", "max_pool3d", "avg_pool3d_backward",
+        "pixel_shuffle", "reflection_pad2d", "replication_pad1d"])
+def test_kernels_copying_other_layouts_contiguous(op, make_args):
+    check(op, make_args)
+
+
 @pytest.mark.parametrize("shape, dims, channels_last, dtype, in_float", [
     ((2, 8, 16, 16), [0, 2, 3], False, BF16, True),  # a per-channel gradient: two reduced runs
     ((2, 8, 16, 16), [0, 2, 3], True, BF16, False),  # channels-last: one run in memory

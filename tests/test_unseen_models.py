@@ -1070,7 +1070,21 @@ class _OverflowingFill(nn.Module):
         return h.masked_fill(h > 0, torch.finfo(torch.float32).min).float().sum()
 
 
-@pytest.mark.parametrize("net, refusal", [(_MixedProduct, "same dtype"), (_OverflowingFill, "overflow")])
+class _MixedGridSample(nn.Module):
+    """RAFT in bf16: a float32 sampling grid made in the forward over a bf16 correlation volume."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        volume = self.fc(x).reshape(1, 1, -1, 16)
+        grid = torch.zeros(1, 4, 4, 2)
+        return F.grid_sample(volume, grid, align_corners=False).float().sum()
+
+
+@pytest.mark.parametrize("net, refusal", [(_MixedProduct, "same dtype"), (_OverflowingFill, "overflow"),
+                                          (_MixedGridSample, "type")])
 def test_steps_eager_refuses_are_not_estimated(net, refusal):
     """The fake kernels skip checks that eager's make: the estimate must fail as the real step does."""
     with pytest.raises(RuntimeError, match=refusal):  # eager, the ground truth
