@@ -1234,6 +1234,15 @@ for _op in (*_SCATTER_ADDS, *_SCATTER_REDUCES):
     scratch_rule("cpu", _op)(_scatter(accumulates=True))
 
 
+@scratch_rule("cpu", aten.abs.default, aten.angle.default)
+@scratch_rule("cuda", aten.abs.default, aten.angle.default)
+def _complex_to_float(args: tuple, kwargs: dict, out: Any) -> int:
+    """UnaryOps.cpp unary_op_impl_with_complex_to_float (any device): of a complex input (an STFT's
+    magnitude), the kernel writes a complex result first and copies its real part into the output."""
+    self = args[0]
+    return self.numel() * _itemsize(self.dtype) if self.is_complex() else 0
+
+
 # FFTs through MKL (aten/src/ATen/native/mkl/SpectralOps.cpp, this build's CPU backend)
 
 

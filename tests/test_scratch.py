@@ -78,6 +78,14 @@ def test_reductions(op, make_args, kwargs):
     assert check(op, make_args, kwargs) > 0
 
 
+@pytest.mark.parametrize("op, dtype", [(aten.abs.default, torch.complex64), (aten.angle.default, torch.complex64),
+                                       (aten.abs.default, torch.complex128), (aten.abs.default, torch.float32)])
+def test_complex_to_float(op, dtype):
+    """An STFT's magnitude: the kernel computes a complex result, then takes its real part."""
+    measured = check(op, lambda: (torch.randn(64, 33, dtype=dtype),))
+    assert (measured > 0) == dtype.is_complex
+
+
 def _transposed(*shape):  # neither row-major nor channels-last: a transposed activation
     return torch.randn(*shape).transpose(1, 2)
 
