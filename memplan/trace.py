@@ -389,6 +389,9 @@ class _Recorder(TorchDispatchMode):
         self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
         self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
+        # unknown bool tensors that test floating-point values (isnan, var < 0), and whole-tensor tests of
+        # them: any() -> False (see _note_value_test)
+        self.value_tests: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
@@ -479,6 +482,8 @@ class _Recorder(TorchDispatchMode):
         flat_out = tree_flatten(out)[0]
         if not data_dependent:
             self.known.run(func, args, kwargs, flat_out, written)
+        if isinstance(out, FakeTensor) and out.dtype == torch.bool and out not in self.known:
+            self._note_value_test(func, inputs, out)
         if func in _FOUND_INF_WRITERS:
             self.found_inf.add(args[1].untyped_storage())
         index = len(self.ops)
@@ -565,6 +570,20 @@ class _Recorder(TorchDispatchMode):
         made_by = self.storages[sid]["op"] if sid is not None else None
         return made_by is not None and made_by >= first
 
+    def _note_value_test(self, func: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Mark a test of floating-point values (`isnan(loss)`, `var < 0`, and logical combinations of
+        such tests), and `any()` over one: read back, such an `any()` is typically false, as a validity
+        check (`if torch.any(var < 0): raise`, F.gaussian_nll_loss's; `assert not loss.isnan().any()`)
+        finds in a real step. A test of integer values (`(top_k == expert).any()`: does work follow?)
+        still reads true, the larger case."""
+        packet = func._overloadpacket
+        if packet in _VALUE_TESTS:
+            tested = any(t.is_floating_point() or t.is_complex() for t in inputs)
+        else:
+            tested = packet in _TEST_COMBINATIONS and any(t in self.value_tests for t in inputs)
+        if tested:
+            self.value_tests[out] = packet is torch.ops.aten.any and out.numel() == 1
+
     def _scalar(self, tensor: torch.Tensor) -> Any:
         # A known value reads as itself. Any other data-dependent scalar: GradScaler's overflow flag
         # reads "no overflow"; any other value (optimizer step counters) reads 1 (True, 1.0), which
@@ -573,6 +592,8 @@ class _Recorder(TorchDispatchMode):
             return self.known.item(tensor)
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
+        if self.value_tests.get(tensor):
+            return False
         if tensor.dtype == torch.bool:
             return True
         if tensor.is_floating_point():
@@ -669,6 +690,12 @@ def _bincount_output(x: torch.Tensor, weights: torch.Tensor | None = None, minle
     return torch.empty((bins,), dtype=dtype, device=x.device)
 
 
+# Ops that test values (a bool result), and ops that combine tests: see _Recorder._note_value_test
+_VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
+    "isnan", "isinf", "isposinf", "isneginf", "isfinite", "signbit", "eq", "ne", "lt", "le", "gt", "ge")}
+_TEST_COMBINATIONS = {getattr(torch.ops.aten, name) for name in (
+    "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
+    "any", "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
 # Checks eager's CPU and CUDA kernels make that the fake kernels skip: without them the estimate would
 # be a step that cannot run
 _SAME_DTYPE_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,

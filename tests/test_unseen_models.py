@@ -670,6 +670,55 @@ def test_values_compared_or_repeated_by(kind):
     _check(build, tolerance=0.0 if kind != "allclose" else 0.2)
 
 
+def validity_checks(batch_size: int = 4):
+    """Tests of floating-point values read back: `if torch.any(var < 0): raise` (F.gaussian_nll_loss's
+    check) and `assert not loss.isnan().any()` pass in a real step, and must under tracing, where the
+    values are unknown (an unknown bool read as true failed the estimate)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 32)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if torch.any(h.detach().abs() < 0):
+                raise ValueError("negative magnitude")
+            loss = h.square().mean()
+            assert not (loss.isnan() | loss.isinf()).any()
+            return loss
+
+    return Net(), (torch.randn(batch_size, 16),)
+
+
+def test_checks_of_float_values_pass():
+    _check(validity_checks)
+
+
+def test_tests_of_indices_still_run_the_work():
+    """`(top == e).any()` over routing indices asks whether an expert has work: it reads true (every
+    expert runs, an upper bound), not as a validity check."""
+
+    def experts_by_any(batch_size: int = 8, experts: int = 4):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.router = nn.Linear(16, experts)
+                self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(experts))
+
+            def forward(self, x):
+                top = self.router(x).argmax(-1)
+                out = torch.zeros_like(x)
+                for e, expert in enumerate(self.experts):
+                    if (top == e).any():
+                        out = out + expert(x)
+                return out.square().mean()
+
+        return Net(), (torch.randn(batch_size, 16),)
+
+    _upper_bound(experts_by_any)  # read as false, no expert would run: under the real step's optimizer state
+
+
 def test_split_by_counts_read_back_is_balanced():
     def routed_by_counts(batch_size: int = 2, experts: int = 4, top_k: int = 2):
         """JetMoE's router: tokens per expert read back (`.tolist()`) and split by; unknown, each count
