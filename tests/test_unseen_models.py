@@ -1096,35 +1096,29 @@ def test_matmul_of_an_expanded_gradient_clones_it():
     _check(summed_projection)
 
 
-class _MixedProduct(nn.Module):
-    """MRA in bf16: a float32 tensor made in the forward times bf16 activations."""
-
+class _OneLayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(16, 16)
+
+
+class _MixedProduct(_OneLayer):
+    """MRA in bf16: a float32 tensor made in the forward times bf16 activations."""
 
     def forward(self, x):
         return (torch.ones(16, 16) @ self.fc(x).transpose(0, 1)).sum()
 
 
-class _OverflowingFill(nn.Module):
+class _OverflowingFill(_OneLayer):
     """DeBERTa in bf16: `masked_fill(mask, torch.finfo(torch.float32).min)`, beyond bf16's range."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
 
     def forward(self, x):
         h = self.fc(x)
         return h.masked_fill(h > 0, torch.finfo(torch.float32).min).float().sum()
 
 
-class _MixedGridSample(nn.Module):
+class _MixedGridSample(_OneLayer):
     """RAFT in bf16: a float32 sampling grid made in the forward over a bf16 correlation volume."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
 
     def forward(self, x):
         volume = self.fc(x).reshape(1, 1, -1, 16)
