@@ -62,6 +62,10 @@ _UNIQUE = {torch.ops.aten._unique2.default, torch.ops.aten._unique.default, torc
 # index once, as each unknown count reads 1.
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
                    torch.ops.aten.bincount.default, torch.ops.aten.repeat_interleave.Tensor, *_UNIQUE}
+# Kernels whose internal scratch depends on the values (matrix_exp's Padé degree follows the matrix's
+# norm; parametrizations.orthogonal runs it): not modelled, so the estimate says approximate and names
+# them (a lower bound: `python benchmarks/scratch_calibration.py sweep:opinfo` lists linear algebra)
+_SCRATCH_BY_VALUES = {torch.ops.aten.linalg_matrix_exp.default}
 # Advanced indexing by a bool (or uint8) mask, `x[mask]` and `x[mask] = v`: eager's kernels replace each mask
 # by the indices of its true elements (aten/src/ATen/native/IndexingUtils.h expandTensors: `mask.nonzero()`,
 # held for the op), which the fake kernels do too, below the recorder, where a data-dependent shape fails.
@@ -467,6 +471,8 @@ class _Recorder(TorchDispatchMode):
         self._alias_conversions(inputs)
         written = _written_arguments(func, args, kwargs)
         data_dependent = func in _DATA_DEPENDENT and kwargs.get("output_size") is None
+        if func in _SCRATCH_BY_VALUES:
+            self.approximate.append(str(func))
         indexed, mask_bytes = self._masks_as_indices(func, args) if func in _MASK_INDEXED else (args, 0)
         if func is torch.ops.aten.split_with_sizes.default:
             indexed = self._balanced_split(args)
@@ -1224,6 +1230,10 @@ class _ConstantShadows(TorchDispatchMode):
             return self.values.item(args[0])
         if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.guessed:
             return self.guessed[args[0]]
+        if func in (torch.ops.aten.allclose.default, torch.ops.aten.equal.default):
+            # a check of values made at random (parametrizations.orthogonal's right_inverse): it passes
+            real = self.values.compute(func, args, kwargs, [])
+            return True if real is None else real
         out = func(*args, **kwargs)
         self.values.run(func, args, kwargs, tree_flatten(out)[0], _written_arguments(func, args, kwargs))
         if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:

@@ -1136,3 +1136,19 @@ def test_steps_eager_refuses_are_not_estimated(net, refusal):
     with pytest.raises(RuntimeError, match=refusal):
         estimate(workload, StepConfig(precision="bf16", optimizer="sgd", steps=1), device="cpu")
     estimate(workload, StepConfig(precision="fp32", optimizer="sgd", steps=1), device="cpu")  # fp32 runs
+
+
+def test_orthogonal_parametrization_builds_and_says_its_estimate_is_approximate():
+    """parametrizations.orthogonal checks its random init with torch.allclose while building (which failed
+    as data-dependent), and runs matrix_exp, whose CPU scratch follows the matrix's norm: not modelled,
+    so the estimate names it (the measured peak lies above)."""
+
+    def orthogonal(batch_size: int = 4):
+        layer = nn.utils.parametrizations.orthogonal(nn.Linear(16, 16))
+        return nn.Sequential(layer, nn.ReLU(), nn.Linear(16, 1)), (torch.randn(batch_size, 16),)
+
+    workload = Workload("orthogonal", orthogonal, 4, {})
+    config = StepConfig(precision="fp32", optimizer="adamw", steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    assert predicted.approximate and "aten.linalg_matrix_exp.default" in predicted.approximate_ops
+    assert predicted.peak_bytes <= measure(workload, config, device="cpu").measured_peak_bytes
