@@ -42,10 +42,12 @@ def _rnn_workspace(args: tuple, kwargs: dict, out: Any) -> Any:
 
 
 def _batch_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
-    """With a bf16/fp16 input and fp32 weight (autocast, Apex O2), the real CPU and CUDA kernels save
-    the batch mean and inverse std in fp32 (the accumulate type); the fake kernel uses the input's dtype."""
-    x, weight = args[0], args[1] if len(args) > 1 else None
-    if x.dtype in (torch.float16, torch.bfloat16) and weight is not None and weight.dtype == torch.float32:
+    """With a bf16/fp16 input and an fp32 weight, bias or running statistic (autocast, Apex O2; a
+    BatchNorm without affine parameters keeps fp32 running statistics), the real CPU and CUDA kernels
+    (is_mixed_type) save the batch mean and inverse std in fp32, the accumulate type; the fake kernel
+    uses the input's dtype."""
+    x, parameters = args[0], [t for t in args[1:5] if isinstance(t, torch.Tensor)]
+    if x.dtype in (torch.float16, torch.bfloat16) and any(t.dtype == torch.float32 for t in parameters):
         return (out[0], *(t.new_empty(t.shape, dtype=torch.float32) for t in out[1:3]), *out[3:])
     return out
 

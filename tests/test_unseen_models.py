@@ -1152,3 +1152,15 @@ def test_orthogonal_parametrization_builds_and_says_its_estimate_is_approximate(
     predicted = estimate(workload, config, device="cpu")
     assert predicted.approximate and "aten.linalg_matrix_exp.default" in predicted.approximate_ops
     assert predicted.peak_bytes <= measure(workload, config, device="cpu").measured_peak_bytes
+
+
+@pytest.mark.parametrize("precision", ["amp-bf16", "amp-fp16"])
+def test_batch_norm_without_affine_keeps_float_statistics_under_autocast(precision):
+    """No weight, but fp32 running statistics beside a bf16/fp16 input: the kernels' mixed-type check
+    counts them, and the batch mean and inverse std they save are fp32 (32 B short before)."""
+
+    def conv_then_plain_norm(batch_size: int = 4):
+        net = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64, affine=False))
+        return net, (torch.randn(batch_size, 3, 8, 8),)
+
+    _check(conv_then_plain_norm, precision=precision, optimizer="sgd")
