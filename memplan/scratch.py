@@ -258,8 +258,9 @@ for _op in (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.soft_margin
     scratch_rule("cpu", _op)(_probe(_op))
 
 # F.unfold / F.fold (im2col, col2im: aten/src/ATen/native/Im2Col.cpp, Col2Im.cpp copy their input to a
-# contiguous or resized buffer first) and F.affine_grid's base grid: measured.
-for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator.default):
+# contiguous or resized buffer first), F.affine_grid's base grid, and nn.Bilinear's _trilinear
+# (Linear.cpp: sum-products through permuted, expanded copies of its operands): measured.
+for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator.default, aten._trilinear.default):
     scratch_rule("cpu", _op)(_probe(_op))
 
 

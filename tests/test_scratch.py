@@ -86,6 +86,15 @@ def test_complex_to_float(op, dtype):
     assert (measured > 0) == dtype.is_complex
 
 
+@pytest.mark.parametrize("make_args", [
+    lambda: (randn(8, 16), randn(10, 16, 12), randn(8, 12), [1, 3], [0], [1, 2], [2, 3]),  # nn.Bilinear
+    lambda: (randn(8, 10), randn(10, 16, 12), randn(8, 12), [2, 3], [0], [1, 2], [1, 3]),  # its input gradient
+    lambda: (randn(8, 16), randn(8, 10), randn(8, 12), [1, 3], [2, 3], [1, 2], [0]),  # its weight gradient
+], ids=["forward", "input-grad", "weight-grad"])
+def test_bilinear_trilinear(make_args):
+    assert check(aten._trilinear.default, make_args) > 0
+
+
 def _transposed(*shape):  # neither row-major nor channels-last: a transposed activation
     return torch.randn(*shape).transpose(1, 2)
 
