@@ -6,8 +6,8 @@
 Per model (`zoo`: the zoo at small sizes; `hf`: benchmarks/hf_architectures.py's Hugging Face
 architectures, which need transformers, built with use_cache=False as for checkpointing): random
 checkpoint plans (disjoint segments drawn from the block-level planner's candidates at any depth,
-modules and runs of siblings), each estimated with the plan applied, and the lowest plan of each planner (budget 0: block level, and selective without a
-baseline). Reports the floor, the lowest predicted peak of them all, their ratio (1: the floor is that
+modules and runs of siblings), each estimated with the plan applied, and the lowest plan of each
+planner (budget 0: block level, and selective without a baseline). Reports the floor, the lowest predicted peak of them all, their ratio (1: the floor is that
 plan's peak; how close it comes is how much it can prove), and how many plans lie under the floor, which
 would disprove it. Two steps of --precision and --optimizer, on --device's allocator model (plans and
 the floor on the same one). A model that fails is a row saying why.

@@ -465,7 +465,7 @@ class _Recorder(TorchDispatchMode):
             known = self.known.compute(func, args, kwargs, [])
             return known if known is not None else args[0].shape == args[1].shape  # unknown: as checks expect
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        refusal = _eager_refusal(func, args, kwargs, inputs)
+        refusal = _EAGER_REFUSALS[func](args, kwargs, inputs) if func in _EAGER_REFUSALS else None
         if refusal:
             raise RuntimeError(f"{func}: {refusal}")
         self._alias_conversions(inputs)
@@ -702,43 +702,45 @@ _VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
 _TEST_COMBINATIONS = {getattr(torch.ops.aten, name) for name in (
     "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
     "any", "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
-# Checks eager's CPU and CUDA kernels make that the fake kernels skip: without them the estimate would
-# be a step that cannot run
-_SAME_DTYPE_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                        torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten.mv.default,
-                        torch.ops.aten.addmv.default, torch.ops.aten.dot.default, torch.ops.aten.vdot.default,
-                        torch.ops.aten.grid_sampler_2d.default, torch.ops.aten.grid_sampler_3d.default}
-_FILLS = {torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar, torch.ops.aten.masked_fill.Scalar,
-          torch.ops.aten.masked_fill_.Scalar, torch.ops.aten.full.default, torch.ops.aten.full_like.default}
+# Checks eager's CPU and CUDA kernels make that the fake kernels skip (op -> (args, kwargs, tensor
+# operands) -> what eager raises, or None): without them the estimate would be a step that cannot run
+def _mixed_dtypes(args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
+    """Matrix products and grid samples of mixed dtypes (a float32 tensor made in the forward times bf16
+    weights, RAFT's float32 grid over a bf16 volume)."""
+    dtypes = [t.dtype for t in inputs]
+    return f"operands must have the same dtype, got {', '.join(map(str, dtypes))}" if len(set(dtypes)) > 1 else None
 
 
-def _eager_refusal(func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
-    """What eager raises where the fake kernel goes on: matrix products and grid samples of mixed dtypes
-    (a float32 tensor made in the forward times bf16 weights, RAFT's float32 grid over a bf16 volume),
-    and a fill value the dtype cannot hold
-    (`masked_fill(mask, torch.finfo(torch.float32).min)` on a bf16 tensor; c10::checked_convert)."""
-    if func in _SAME_DTYPE_PRODUCTS:
-        dtypes = [t.dtype for t in inputs]
-        if len(set(dtypes)) > 1:
-            return f"operands must have the same dtype, got {', '.join(str(d) for d in dtypes)}"
+def _overflowing(value: Any, dtype: torch.dtype) -> str | None:
+    """A fill value `dtype` cannot hold (`masked_fill(mask, torch.finfo(torch.float32).min)` on a bf16
+    tensor; c10::checked_convert: infinities and NaN pass)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or dtype == torch.bool or dtype.is_complex:
         return None
-    if func not in _FILLS:
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    if dtype.is_floating_point and not math.isfinite(value):
         return None
-    value = args[-1] if func in (torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar,
-                                 torch.ops.aten.masked_fill.Scalar, torch.ops.aten.masked_fill_.Scalar) else args[1]
-    if func in (torch.ops.aten.full.default, torch.ops.aten.full_like.default):
-        dtype = kwargs.get("dtype") or (args[0].dtype if func is torch.ops.aten.full_like.default
-                                        else torch.get_default_dtype())
-    else:
-        dtype = args[0].dtype
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or dtype == torch.bool:
-        return None
-    if dtype.is_floating_point:
-        if math.isfinite(value) and abs(value) > torch.finfo(dtype).max:
-            return f"value cannot be converted to type {dtype} without overflow"
-    elif not dtype.is_complex and not torch.iinfo(dtype).min <= value <= torch.iinfo(dtype).max:
-        return f"value cannot be converted to type {dtype} without overflow"
-    return None
+    return None if info.min <= value <= info.max else f"value cannot be converted to type {dtype} without overflow"
+
+
+def _full_dtype(value: Any, kwargs: dict) -> torch.dtype:
+    """torch.full's dtype: the one asked for, else the fill value's (bool, int64, the default float)."""
+    if kwargs.get("dtype") is not None:
+        return kwargs["dtype"]
+    return torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.get_default_dtype()
+
+
+_EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | None]] = {
+    **dict.fromkeys((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                     torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten.mv.default,
+                     torch.ops.aten.addmv.default, torch.ops.aten.dot.default, torch.ops.aten.vdot.default,
+                     torch.ops.aten.grid_sampler_2d.default, torch.ops.aten.grid_sampler_3d.default), _mixed_dtypes),
+    **dict.fromkeys((torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar, torch.ops.aten.masked_fill.Scalar,
+                     torch.ops.aten.masked_fill_.Scalar),
+                    lambda args, kwargs, inputs: _overflowing(args[-1], args[0].dtype)),
+    torch.ops.aten.full.default: lambda args, kwargs, inputs: _overflowing(args[1], _full_dtype(args[1], kwargs)),
+    torch.ops.aten.full_like.default:
+        lambda args, kwargs, inputs: _overflowing(args[1], kwargs.get("dtype") or args[0].dtype),
+}
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -493,13 +493,16 @@ def _state_storages(prepared: PreparedStep) -> dict[int, torch.UntypedStorage]:
     return seen
 
 
-def _mark_frees_of(storages: Iterable[torch.UntypedStorage]) -> None:
+def _mark_frees_of(storages: Iterable[torch.UntypedStorage]) -> list[weakref.finalize]:
     """A marker when each of `storages` is freed (a buffer the forward replaces: `self.stat = ...`).
     The profiler reports no free of a block allocated before it started, so the timeline would keep
-    counting it."""
+    counting it. Detach the finalizers returned when profiling stops: a later session must not see them."""
+    finalizers = []
     for storage in storages:
         finalizer = weakref.finalize(storage, _mark, _FREED, storage.nbytes())
         finalizer.atexit = False
+        finalizers.append(finalizer)
+    return finalizers
 
 
 def _mark(phase: str, step: int) -> None:
@@ -519,8 +522,10 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
     # Only the allocator's events while profiling count, and the garbage collector is off meanwhile:
     # garbage left from building (or from earlier runs) is neither counted nor freed, so there is no
     # need to collect it first (a full collection costs more than a tiny model's steps).
-    baseline = live_state_bytes(prepared)
-    _mark_frees_of(_state_storages(prepared).values())
+    storages = _state_storages(prepared).values()
+    baseline = sum(storage.nbytes() for storage in storages)
+    frees = _mark_frees_of(storages)
+    del storages  # holding them would keep a replaced buffer's storage alive through the step
 
     def on_phase(phase: str, step: int) -> None:
         tracker.update(phase, step)
@@ -543,6 +548,8 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
                 with quiet_stderr():
                     profiler.__exit__(None, None, None)
     finally:
+        for finalizer in frees:
+            finalizer.detach()
         del prepared
     peaks, overall = _cpu_timeline(profiler.kineto_results, baseline)
     return _result("cpu", "cpu", config, peaks, baseline, overall, tracker, oom_error, plan, skipped_updates=skipped)
