@@ -121,4 +121,5 @@ def estimate_command(
         note(f"wrote {plot}")
     if any(r.approximate for r in results):
         ops = sorted({op for r in results for op in r.approximate_ops})
-        note(f"* approximate: data-dependent shapes assumed all-selected in {', '.join(ops)}")
+        note(f"* approximate: values no trace can know were assumed in {', '.join(ops)} "
+             "(README: Data-dependent shapes)")

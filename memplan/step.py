@@ -220,6 +220,24 @@ def convert_inputs(inputs: tuple | dict, device: torch.device, precision: Precis
     return tuple(convert(v) for v in inputs)
 
 
+_COMPRESSED_PARTS = {
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def memory_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold a tensor's memory: itself, or a sparse tensor's index and value
+    tensors (a sparse tensor has no storage of its own)."""
+    if tensor.layout is torch.strided:
+        return (tensor,)
+    if tensor.layout is torch.sparse_coo:
+        return (tensor._indices(), tensor._values())
+    return tuple(getattr(tensor, part)() for part in _COMPRESSED_PARTS[tensor.layout])
+
+
 def prepare_step(
     model: nn.Module,
     inputs: tuple | dict,

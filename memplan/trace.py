@@ -23,7 +23,7 @@ import sys
 import types
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -40,7 +40,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from memplan.step import PreparedStep, StepConfig, model_caches_emptied_after, prepare_step, run_steps
+from memplan.step import PreparedStep, StepConfig, memory_parts, model_caches_emptied_after, prepare_step, run_steps
 from memplan.workload import Workload
 
 ROLES = ("weights", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
@@ -408,7 +408,8 @@ class _Recorder(TorchDispatchMode):
         # assumed selection, its rows, an index compared with a constant, a float mask made from a
         # constant one): reading them back (`if expert_idx == num_experts: continue`, Longformer's
         # `(mask > 0).any().item()`) takes the branch the values say.
-        self.known = _RealValues(lambda t: not t.is_complex() and t.numel() <= _KNOWN_LIMIT)
+        self.known = _RealValues(lambda t: not t.is_complex() and t.numel() <= _KNOWN_LIMIT, selections=True)
+        self.sparse = _SparseTensors(self.known, self.approximate, rules, self._in_autograd_engine)
 
     # -- storages -------------------------------------------------------------------------------
 
@@ -444,10 +445,15 @@ class _Recorder(TorchDispatchMode):
     def _freed(self, sid: int) -> None:
         self.events.append(Event("free", sid, op=len(self.ops) - 1))
 
+    def storages_of(self, tensors: list[Any]) -> list[torch.UntypedStorage]:
+        """The storages holding `tensors`' memory, in order (a sparse tensor's: its parts')."""
+        return [part.untyped_storage() for t in tensors if isinstance(t, torch.Tensor) for part in self.sparse.strided(t)]
+
     def set_role(self, tensor: torch.Tensor, role: str) -> None:
-        sid = self.ids.get(tensor.untyped_storage())
-        if sid is not None and self.storages[sid]["role"] in ("temporaries", "activations"):
-            self.storages[sid]["role"] = role
+        for storage in self.storages_of([tensor]):
+            sid = self.ids.get(storage)
+            if sid is not None and self.storages[sid]["role"] in ("temporaries", "activations"):
+                self.storages[sid]["role"] = role
 
     def begin_phase(self, phase: str, step: int) -> None:
         self.phase, self.step = phase, step
@@ -470,13 +476,19 @@ class _Recorder(TorchDispatchMode):
             raise RuntimeError(f"{func}: {refusal}")
         self._alias_conversions(inputs)
         written = _written_arguments(func, args, kwargs)
+        sparse = any(t.layout is not torch.strided for t in inputs)
+        read_storages = dict.fromkeys(self.storages_of(inputs))  # in argument order
+        written_storages = self.storages_of(written)
         data_dependent = func in _DATA_DEPENDENT and kwargs.get("output_size") is None
         if func in _SCRATCH_BY_VALUES:
             self.approximate.append(str(func))
         indexed, mask_bytes = self._masks_as_indices(func, args) if func in _MASK_INDEXED else (args, 0)
         if func is torch.ops.aten.split_with_sizes.default:
             indexed = self._balanced_split(args)
-        if data_dependent:
+        by_sparse_table = func in _SPARSE_OPS and (sparse or func in _SPARSE_CONSTRUCTORS)
+        if by_sparse_table:
+            out, sparse_scratch = _SPARSE_OPS[func](self.sparse, *args, **kwargs)
+        elif data_dependent:
             out = self._data_dependent(func, args, kwargs)
         elif func in _SHAPE_FROM_ARGUMENTS:
             out, exact = _SHAPE_FROM_ARGUMENTS[func](*args, **kwargs, known=self.known.value)
@@ -486,7 +498,10 @@ class _Recorder(TorchDispatchMode):
             out = self.rules.fix_outputs(func, indexed, kwargs,
                                          _as_eager_views(func, indexed, func(*indexed, **kwargs)))
         flat_out = tree_flatten(out)[0]
-        if not data_dependent:
+        sparse_out = any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out)
+        if (sparse_out or sparse and any(isinstance(t, torch.Tensor) for t in flat_out)) and not by_sparse_table:
+            raise NotImplementedError(f"{func} with sparse tensors is not modelled")
+        if not (data_dependent or sparse or sparse_out):  # (the sparse table keeps what is known of its parts)
             self.known.run(func, args, kwargs, flat_out, written)
         if isinstance(out, FakeTensor) and out.dtype == torch.bool and out not in self.known:
             self._note_value_test(func, inputs, out)
@@ -494,17 +509,17 @@ class _Recorder(TorchDispatchMode):
             self.found_inf.add(args[1].untyped_storage())
         index = len(self.ops)
         self.sequence_nrs.append(torch._C._autograd._get_sequence_nr())
-        read_storages = dict.fromkeys(t.untyped_storage() for t in inputs)  # in argument order
         reads = tuple(self.ids[s] for s in read_storages if s in self.ids)
-        writes = tuple(self.ids[t.untyped_storage()] for t in written if t.untyped_storage() in self.ids)
+        writes = tuple(self.ids[s] for s in written_storages if s in self.ids)
         allocates = []
-        for t in flat_out:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
+        for part in (p for t in flat_out if isinstance(t, torch.Tensor) for p in self.sparse.strided(t)):
+            storage = part.untyped_storage()
             if storage not in self.ids and storage not in read_storages:
-                allocates.append(self.register(t, "temporaries", index))
-        scratch = int(self.rules.scratch(func, indexed, kwargs, out)) + mask_bytes
+                allocates.append(self.register(part, "temporaries", index))
+        if by_sparse_table:
+            scratch = sparse_scratch
+        else:
+            scratch = int(self.rules.scratch(func, indexed, kwargs, out)) + mask_bytes
         if scratch:
             self.events.append(Event("scratch", op=index, nbytes=scratch))
         flops = 0
@@ -536,7 +551,8 @@ class _Recorder(TorchDispatchMode):
         fake op is converted by the fake mode into a fake copy: that copy's storage is the real one's.
         The copy is kept while the real tensor lives, so that the fake mode's memo hands out the same one."""
         for t in inputs:
-            if not isinstance(t, FakeTensor) and t not in self.conversions and t.untyped_storage() in self.ids:
+            if not isinstance(t, FakeTensor) and t.layout is torch.strided and t not in self.conversions \
+                    and t.untyped_storage() in self.ids:
                 from torch._guards import detect_fake_mode
 
                 converted = self.conversions[t] = detect_fake_mode().from_tensor(t)
@@ -553,7 +569,8 @@ class _Recorder(TorchDispatchMode):
         if not (func is torch.ops.aten.add.Tensor and self._in_autograd_engine()):
             return False
         old = args[0] if args else None
-        return not (isinstance(old, torch.Tensor) and (old._is_view() or not is_non_overlapping_and_dense_or_false(old)))
+        return not (isinstance(old, torch.Tensor) and (old.layout is not torch.strided or old._is_view()
+                                                       or not is_non_overlapping_and_dense_or_false(old)))
 
     def _is_backward_in_place(self, func: Any) -> bool:
         """One of _BACKWARD_IN_PLACE's ops, run by the autograd engine."""
@@ -595,6 +612,8 @@ class _Recorder(TorchDispatchMode):
         # reads "no overflow"; any other value (optimizer step counters) reads 1 (True, 1.0), which
         # changes no shape or allocation; counted for split sizes (_balanced_split).
         if tensor in self.known:
+            if tensor in self.known.typical:
+                self.approximate.append(self.known.typical[tensor])
             return self.known.item(tensor)
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
@@ -653,6 +672,9 @@ class _Recorder(TorchDispatchMode):
             with _disable_current_modes():
                 bounded = values is not None and (values.numel() == 0 or int(values.max()) < _KNOWN_LIMIT)
         real = self.known.compute(func, args, kwargs, []) if bounded else None
+        typical = self.known.typical_source(args) if real is not None else None
+        if typical is not None:  # exact for a typical draw of the values it selects by
+            self.approximate.append(typical)
         assumed = real is None and func in _UNIQUE
         if assumed:  # values all distinct, laid out as x: the most a unique can return
             with _disable_current_modes():
@@ -663,7 +685,7 @@ class _Recorder(TorchDispatchMode):
             reals = [real] if isinstance(real, torch.Tensor) else list(real)
             outs = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=x.device) for r in reals]
             if not assumed and all(self.known.keeps(o) for o in outs):
-                self.known.keep(outs, reals)
+                self.known.keep(outs, reals, typical)
             return outs[0] if isinstance(real, torch.Tensor) else tuple(outs)
         self.approximate.append(str(func))
         if func is torch.ops.aten.repeat_interleave.Tensor:  # each index once
@@ -769,15 +791,11 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         return recorder.module_hooks - 1
 
     def tensor_ids(value: Any) -> tuple[int, ...]:
-        return tuple(
-            recorder.ids[t.untyped_storage()]
-            for t in tree_flatten(value)[0]
-            if isinstance(t, torch.Tensor) and t.untyped_storage() in recorder.ids
-        )
+        return tuple(recorder.ids[s] for s in recorder.storages_of(tree_flatten(value)[0]) if s in recorder.ids)
 
     def value_of(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return ("tensor", recorder.ids.get(value.untyped_storage(), id(value)))
+            return ("tensor", recorder.ids.get(recorder.storages_of([value])[-1], id(value)))
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if type(value) in (tuple, list):  # (cos, sin) position embeddings
@@ -790,7 +808,7 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
     def made_since(first_op: int) -> Callable[[torch.Tensor], bool]:
         """Whether a tensor was made by op `first_op` or a later one."""
         def made(t: torch.Tensor) -> bool:
-            sid = recorder.ids.get(t.untyped_storage())
+            sid = recorder.ids.get(recorder.storages_of([t])[-1])
             op = recorder.storages[sid]["op"] if sid is not None else None
             return op is not None and op >= first_op
 
@@ -1111,6 +1129,282 @@ _DRAW_MEDIANS: dict[Any, Callable[..., float]] = {
 }
 
 
+# ops that pick positions by comparing values (a router's top-k experts, Switch Transformers' argmax): over
+# values no one knows, their indices are drawn as over independent uniform values, so the selections that
+# follow (`torch.where(top_k == e)`, tokens per expert) read a typical routing, balanced in expectation,
+# as a freshly initialised router gives; what rests on such a draw flags the estimate approximate
+_TYPICAL_SELECTIONS = {torch.ops.aten.topk, torch.ops.aten.argmax, torch.ops.aten.argmin, torch.ops.aten.max,
+                       torch.ops.aten.min, torch.ops.aten.sort, torch.ops.aten.kthvalue}
+
+
+@dataclass
+class _CooParts:
+    """A sparse COO tensor's parts: its index and value tensors (which hold its memory), and its flag."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    coalesced: bool
+
+
+class _SparseTensors:
+    """The sparse COO tensors of a step (nn.Embedding(sparse=True)'s gradients, and what gradient
+    accumulation and the optimizers make of them) as eager's CPU kernels make them. Their fake kernels
+    miscount them: a clone or a product comes out with no elements, an in-place sum keeps its old count.
+    So the tracer runs these ops (_SPARSE_OPS) on each tensor's parts, kept here, allocating the parts
+    eager's kernels allocate and the scratch they hold (measured against the allocator's events).
+    Other ops that make or read sparse tensors fail the estimate, named."""
+
+    def __init__(self, known: _RealValues, approximate: list[str], rules: TraceRules | None = None,
+                 in_autograd_engine: Callable[[], bool] = lambda: False) -> None:
+        self.known = known  # the real values of the parts where known (token ids as indices)
+        self.approximate = approximate  # where an op's result is a bound, its name is added
+        self.rules = rules
+        self.in_autograd_engine = in_autograd_engine
+        self.parts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # a sparse fake tensor -> _CooParts
+
+    def of(self, tensor: torch.Tensor) -> _CooParts:
+        if tensor not in self.parts:  # made outside the step (a sparse input): the fake kernel counted it
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                self.parts[tensor] = _CooParts(tensor._indices(), tensor._values(), tensor.is_coalesced())
+        return self.parts[tensor]
+
+    def strided(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The strided tensors that hold `tensor`'s memory (a sparse tensor has no storage of its own)."""
+        if tensor.layout is torch.strided:
+            return (tensor,)
+        if tensor.layout is torch.sparse_coo:
+            parts = self.of(tensor)
+            return (parts.indices, parts.values)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # not ops of the step
+            return memory_parts(tensor)
+
+    def make(self, size: Sequence[int], indices: torch.Tensor, values: torch.Tensor, coalesced: bool) -> torch.Tensor:
+        """A sparse tensor of `size` over these parts. The fake tensor itself holds stand-ins of them, not
+        them: where an in-place op gives it new parts, the old ones die as eager's do."""
+        out = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors(
+            indices.shape[0], values.dim() - 1, list(size), torch.empty_like(indices), torch.empty_like(values),
+            dtype=values.dtype, layout=torch.sparse_coo, device=values.device, is_coalesced=coalesced)
+        self.parts[out] = _CooParts(indices, values, coalesced)
+        return out
+
+    def real(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        return self.known.real.get(tensor)
+
+    def computed(self, compute: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor | None:
+        """`compute` of the sources' real values, None where one is unknown."""
+        reals = [self.real(source) for source in sources]
+        if any(real is None for real in reals):
+            return None
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # real tensors: no op of the step
+            return compute(*reals)
+
+    def derived(self, fake: torch.Tensor, compute: Callable[..., torch.Tensor], *sources: torch.Tensor) -> torch.Tensor:
+        """`fake`, its values known as `compute` of the sources' where theirs are (indices copied, joined)."""
+        real = self.computed(compute, *sources)
+        if real is not None:
+            self.known.keep([fake], [real])
+        return fake
+
+
+def _sparse_constructed(table: _SparseTensors, sparse_dim: int, dense_dim: int, size: list[int],
+                        indices: torch.Tensor, values: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, int]:
+    """torch.sparse_coo_tensor: the sparse tensor holds the index and value tensors given (no copy)."""
+    return table.make(size, indices, values, bool(kwargs.get("is_coalesced"))), 0
+
+
+def _sparse_shared(func: Any) -> Callable[..., tuple[torch.Tensor, int]]:
+    """detach and alias: a new tensor over the same parts."""
+    def run(table: _SparseTensors, tensor: torch.Tensor, *args: Any) -> tuple[torch.Tensor, int]:
+        out = func(tensor, *args)
+        table.parts[out] = table.of(tensor)
+        return out, 0
+    return run
+
+
+def _sparse_part(name: str) -> Callable[..., tuple[torch.Tensor, int]]:
+    """_indices, _values (and the public indices, values): views of the part."""
+    def run(table: _SparseTensors, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        part = getattr(table.of(tensor), name)
+        return table.derived(torch.ops.aten.alias(part), lambda real: real, part), 0
+    return run
+
+
+def _sparse_cloned(table: _SparseTensors, tensor: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, int]:
+    """A copy of the parts; but autograd's first gradient of a parameter (AccumulateGrad), made fresh by
+    backward, is taken over without copying: eager's engine finds no other reference to its parts, the
+    tracer's references keep it from seeing that (accumulate_grad.h)."""
+    parts = table.of(tensor)
+    if table.in_autograd_engine():
+        return _sparse_shared(torch.ops.aten.detach.default)(table, tensor)
+    indices = table.derived(parts.indices.clone(), lambda real: real, parts.indices)
+    return table.make(tensor.shape, indices, parts.values.clone(), parts.coalesced), 0
+
+
+def _sparse_coalesced(table: _SparseTensors, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Eager's coalesce allocates its result for every element, then narrows it to the distinct indices;
+    it sorts the flattened indices meanwhile ((sparse dims + 2) x 8 B an element of scratch). The
+    distinct count comes from the indices' values where known (token ids), else every index is taken
+    as distinct (an upper bound, flagged)."""
+    parts = table.of(tensor)
+    sparse_dim, count = parts.indices.shape
+    distinct = table.computed(lambda real: torch.unique(real, dim=1), parts.indices)
+    kept = count if distinct is None else distinct.shape[1]
+    if distinct is None and count > 1:
+        table.approximate.append(str(torch.ops.aten._coalesce.default))
+    row = parts.values[0].numel() if parts.values.dim() > 1 else 1
+    indices = torch.empty(sparse_dim * count, dtype=parts.indices.dtype, device=parts.indices.device)
+    indices = table.derived(indices[: sparse_dim * kept].view(sparse_dim, kept), lambda real: distinct, parts.indices)
+    values = torch.empty(count * row, dtype=parts.values.dtype, device=parts.values.device)
+    values = values[: kept * row].view(kept, *parts.values.shape[1:])
+    return table.make(tensor.shape, indices, values, True), (sparse_dim + 2) * count * 8
+
+
+def _sparse_concatenated(parts: list[_CooParts], table: _SparseTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts of a sum of sparse tensors: eager's CPU kernel concatenates them (coalescing neither)."""
+    indices = table.derived(torch.cat([p.indices for p in parts], dim=1), lambda *reals: torch.cat(reals, dim=1),
+                            *(p.indices for p in parts))
+    return indices, torch.cat([p.values for p in parts])
+
+
+def _sparse_added(in_place: bool) -> Callable[..., tuple[torch.Tensor, int]]:
+    """A sum of sparse tensors (autograd's gradient accumulation, momentum): their parts concatenated.
+    Into a dense tensor (a parameter's update) the fake kernel is right: a dense result."""
+    def run(table: _SparseTensors, a: torch.Tensor, b: Any, **kwargs: Any) -> tuple[torch.Tensor, int]:
+        if not (isinstance(b, torch.Tensor) and b.layout is torch.sparse_coo and a.layout is torch.sparse_coo):
+            op = torch.ops.aten.add_.Tensor if in_place else torch.ops.aten.add.Tensor
+            out = op(a, b, **kwargs)
+            return out, int(table.rules.scratch(op, (a, b), kwargs, out)) if table.rules else 0
+        first, second = table.of(a), table.of(b)
+        if first.coalesced and second.coalesced:  # eager merges the two: at most this many
+            table.approximate.append(str(torch.ops.aten.add.Tensor))
+        indices, values = _sparse_concatenated([first, second], table)
+        if not in_place:
+            return table.make(a.shape, indices, values, False), 0
+        table.parts[a] = _CooParts(indices, values, False)  # the old parts die unless held elsewhere
+        return a, 0
+    return run
+
+
+def _sparse_scaled(in_place: bool) -> Callable[..., tuple[torch.Tensor, int]]:
+    """A sparse tensor times a scalar (momentum's decay): eager copies the indices and writes new values,
+    in place too (the old parts are freed)."""
+    def run(table: _SparseTensors, tensor: torch.Tensor, other: Any) -> tuple[torch.Tensor, int]:
+        parts = table.of(tensor)
+        indices = table.derived(parts.indices.clone(), lambda real: real, parts.indices)
+        values = parts.values * other
+        if not in_place:
+            return table.make(tensor.shape, indices, values, parts.coalesced), 0
+        table.parts[tensor] = _CooParts(indices, values, parts.coalesced)
+        return tensor, 0
+    return run
+
+
+def _sparse_masked(table: _SparseTensors, dense: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """dense.sparse_mask(mask) (Adagrad's sparse step): the mask's indices copied, the dense rows gathered
+    into new values, and a product of the same size and a one-element tensor held while it runs."""
+    parts = table.of(mask)
+    indices = table.derived(parts.indices.clone(), lambda real: real, parts.indices)
+    values = dense.new_empty((parts.values.shape[0], *dense.shape[parts.indices.shape[0]:]))
+    return table.make(mask.shape, indices, values, parts.coalesced), (values.numel() + 1) * values.element_size()
+
+
+def _embedding_bag_backward(table: _SparseTensors, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                            offset2bag: torch.Tensor, bag_size: torch.Tensor, maximum_indices: torch.Tensor,
+                            num_weights: int, scale_grad_by_freq: bool, mode: int, sparse: bool,
+                            per_sample_weights: torch.Tensor | None, padding_idx: int = -1) -> tuple[torch.Tensor, int]:
+    """nn.EmbeddingBag(sparse=True)'s weight gradient (eager's _embedding_bag_sparse_backward): one row of
+    values per index, gathered from its bag's gradient, over the indices themselves (a view); a sum
+    recounts which bag each index is in ((indices + 1) x 8 B), a mean scales by the bag sizes.
+    Its fake kernel miscounts the rows. A dense gradient runs as the fake kernel says."""
+    args = (grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode,
+            sparse, per_sample_weights, padding_idx)
+    if not sparse:
+        out = torch.ops.aten._embedding_bag_backward.default(*args)
+        return out, int(table.rules.scratch(torch.ops.aten._embedding_bag_backward.default, args, {}, out))
+    if padding_idx >= 0 or scale_grad_by_freq:  # rows dropped or scaled by the indices' values
+        table.approximate.append(str(torch.ops.aten._embedding_bag_backward.default))
+    count = indices.numel()
+    values = grad.new_empty((count, grad.shape[-1]))
+    scratch = (count + 1) * 8 if mode == 0 else (2 * offsets.numel() + count) * grad.element_size()
+    flat = table.derived(indices.reshape(1, -1), lambda real: real.reshape(1, -1), indices)
+    return table.make((num_weights, grad.shape[-1]), flat, values, False), scratch
+
+
+def _sparse_transposed(table: _SparseTensors, tensor: torch.Tensor, *dims: int) -> tuple[torch.Tensor, int]:
+    """A sparse matrix transposed (a sparse product's backward): eager copies the indices, rows swapped,
+    and the values, sorting through one index-sized buffer."""
+    if tensor.layout is not torch.sparse_coo or tensor.dense_dim():
+        raise NotImplementedError(f"a transpose of a {tensor.layout} tensor with dense dimensions is not modelled")
+    parts = table.of(tensor)
+    first, second = dims or (0, 1)
+    size = list(tensor.shape)
+    size[first], size[second] = size[second], size[first]
+    return table.make(size, parts.indices.clone(), parts.values.clone(), False), parts.indices.shape[1] * 8
+
+
+def _sparse_product(func: Any, zeros_first: bool) -> Callable[..., tuple[torch.Tensor, int]]:
+    """A sparse (COO) matrix times a dense one: a dense result. `zeros_first`: eager's kernel adds the
+    product to zeros of the result's size that it makes first (mm, as torch.sparse.mm: _sparse_mm)."""
+    def run(table: _SparseTensors, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, int]:
+        if any(isinstance(a, torch.Tensor) and a.layout not in (torch.strided, torch.sparse_coo) for a in args):
+            raise NotImplementedError(f"{func} on {[a.layout for a in args if isinstance(a, torch.Tensor)]} is not modelled")
+        out = func(*args, **kwargs)
+        return out, out.numel() * out.element_size() if zeros_first else 0
+    return run
+
+
+def _sparse_flag(table: _SparseTensors, tensor: torch.Tensor) -> tuple[bool, int]:
+    return table.of(tensor).coalesced, 0
+
+
+def _sparse_flagged(table: _SparseTensors, tensor: torch.Tensor, coalesced: bool) -> tuple[torch.Tensor, int]:
+    table.of(tensor).coalesced = coalesced
+    return tensor, 0
+
+
+def _sparse_count(table: _SparseTensors, tensor: torch.Tensor) -> tuple[int, int]:
+    return table.of(tensor).values.shape[0], 0
+
+
+_aten = torch.ops.aten
+# ops that make sparse tensors from strided ones
+_SPARSE_CONSTRUCTORS = {_aten._sparse_coo_tensor_with_dims_and_tensors.default, _aten._embedding_bag_backward.default}
+# op on sparse COO tensors -> (the table, *args, **kwargs) -> (its result, the scratch bytes its kernel holds)
+_SPARSE_OPS: dict[Any, Callable[..., tuple[Any, int]]] = {
+    _aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_constructed,
+    _aten.detach.default: _sparse_shared(_aten.detach.default),
+    _aten.alias.default: _sparse_shared(_aten.alias.default),
+    _aten._indices.default: _sparse_part("indices"),
+    _aten.indices.default: _sparse_part("indices"),
+    _aten._values.default: _sparse_part("values"),
+    _aten.values.default: _sparse_part("values"),
+    _aten._nnz.default: _sparse_count,
+    _aten.is_coalesced.default: _sparse_flag,
+    _aten._coalesced_.default: _sparse_flagged,
+    _aten._coalesce.default: _sparse_coalesced,
+    _aten.clone.default: _sparse_cloned,
+    _aten.add.Tensor: _sparse_added(in_place=False),
+    _aten.add_.Tensor: _sparse_added(in_place=True),
+    _aten.mul.Tensor: _sparse_scaled(in_place=False),
+    _aten.mul_.Tensor: _sparse_scaled(in_place=True),
+    _aten.mul.Scalar: _sparse_scaled(in_place=False),
+    _aten.mul_.Scalar: _sparse_scaled(in_place=True),
+    _aten.sparse_mask.default: _sparse_masked,
+    _aten._embedding_bag_backward.default: _embedding_bag_backward,
+    _aten.t.default: _sparse_transposed,
+    _aten.transpose.int: _sparse_transposed,
+    _aten._sparse_addmm.default: _sparse_product(_aten._sparse_addmm.default, zeros_first=False),
+    _aten.mm.default: _sparse_product(_aten.mm.default, zeros_first=True),
+    _aten.addmm.default: _sparse_product(_aten.addmm.default, zeros_first=False),
+}
+
+
 class _RealValues:
     """Real values kept beside small fake tensors whose values are known: computed by deterministic
     ops from Python constants and other known values alone (or from real tensors, which are their own
@@ -1119,10 +1413,13 @@ class _RealValues:
     that storage. `keeps` says which fake outputs may be known (size and dtype). `draws`: random integer
     and bool tensors are drawn for real too (token ids, labels: typical values, as a real run has)."""
 
-    def __init__(self, keeps: Callable[[torch.Tensor], bool], draws: bool = False) -> None:
+    def __init__(self, keeps: Callable[[torch.Tensor], bool], draws: bool = False, selections: bool = False) -> None:
         self.keeps = keeps
         self.draws = draws  # random integer and bool tensors too (see `compute`)
+        self.selections = selections  # indices of _TYPICAL_SELECTIONS over unknown values too (see `selected`)
+        self.stand_ins = torch.Generator().manual_seed(0)  # the uniform values they select from
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.typical: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # known from a draw: its op's name
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
@@ -1153,7 +1450,7 @@ class _RealValues:
         real_flat = []
         for value in flat:
             real = self.value(value)
-            if real is None:
+            if real is None and value is not None:  # (an optional argument left out is no unknown)
                 return None
             real_flat.append(real)
         from torch.utils._python_dispatch import _disable_current_modes
@@ -1177,13 +1474,37 @@ class _RealValues:
         with _disable_current_modes():
             return torch.full(out.shape, _DRAW_MEDIANS[func._overloadpacket](*args, **kwargs), dtype=out.dtype)
 
-    def keep(self, fakes: list[Any], reals: list[Any]) -> None:
-        """Pair the fake outputs with their real values (both flattened)."""
+    def selected(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor | None]:
+        """A _TYPICAL_SELECTIONS op's integer outputs (its indices, flattened) over uniform stand-ins for
+        the values no one knows; its other outputs None (still unknown)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        flat, spec = tree_flatten((args, kwargs))
+        with _disable_current_modes():
+            reals = [torch.rand(v.shape, generator=self.stand_ins) if isinstance(v, FakeTensor) and v not in self.real
+                     else self.value(v) for v in flat]
+            real_args, real_kwargs = tree_unflatten(reals, spec)
+            try:
+                out = func(*real_args, **real_kwargs)
+            except Exception:  # noqa: BLE001 - no value, no harm: unknown values read as before
+                return []
+        return [o if isinstance(o, torch.Tensor) and not o.is_floating_point() else None for o in tree_flatten(out)[0]]
+
+    def typical_source(self, values: Any) -> str | None:
+        """The selection whose draw the first of `values` (flattened) known from one rests on."""
+        return next((self.typical[t] for t in tree_flatten(values)[0] if isinstance(t, FakeTensor) and t in self.typical),
+                    None)
+
+    def keep(self, fakes: list[Any], reals: list[Any], typical: str | None = None) -> None:
+        """Pair the fake outputs with their real values (both flattened); `typical`: the selection whose
+        draw they rest on."""
         for fake, real in zip(fakes, reals):
             if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor) and fake.shape == real.shape \
                     and fake.dtype == real.dtype:
                 self.real[fake] = real
                 self.storages.add(fake.untyped_storage())
+                if typical is not None:
+                    self.typical[fake] = typical
 
     def forget(self, written: list[torch.Tensor]) -> None:
         """`written` got values no one knows: so did every tensor over their storages."""
@@ -1196,6 +1517,7 @@ class _RealValues:
     def run(self, func: Any, args: tuple, kwargs: dict, flat_out: list[Any], written: list[torch.Tensor]) -> None:
         """After the fake op ran (its outputs flattened): keep their real values if they can be known."""
         real_out = None
+        typical = self.typical_source((args, kwargs))
         outputs = [t for t in flat_out if isinstance(t, FakeTensor)]
         if (outputs or written) and all(self.keeps(t) for t in outputs):
             random = self.draws and all(not t.is_floating_point() and not t.is_complex() for t in (*outputs, *written))
@@ -1203,11 +1525,13 @@ class _RealValues:
             if real_out is None and func._overloadpacket in _DRAW_MEDIANS and len(outputs) == 1 \
                     and outputs[0].numel() == 1:
                 real_out = self.median(func, args, kwargs, outputs[0])
+            if real_out is None and self.selections and func._overloadpacket in _TYPICAL_SELECTIONS:
+                real_out, typical = self.selected(func, args, kwargs), str(func)
         if real_out is None:
             if written and self.storages:
                 self.forget(written)
         else:
-            self.keep(flat_out, tree_flatten(real_out)[0])
+            self.keep(flat_out, tree_flatten(real_out)[0], typical)
 
 
 class _ConstantShadows(TorchDispatchMode):
@@ -1225,6 +1549,8 @@ class _ConstantShadows(TorchDispatchMode):
         super().__init__()
         self.values = _RealValues(lambda t: t.numel() <= self.LIMIT, draws=True)
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
+        self.approximate: list[str] = []
+        self.sparse = _SparseTensors(self.values, self.approximate)  # a sparse input (a graph's adjacency)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -1236,8 +1562,15 @@ class _ConstantShadows(TorchDispatchMode):
             # a check of values made at random (parametrizations.orthogonal's right_inverse): it passes
             real = self.values.compute(func, args, kwargs, [])
             return True if real is None else real
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        sparse = any(t.layout is not torch.strided for t in inputs)
+        if func in _SPARSE_OPS and (func in _SPARSE_CONSTRUCTORS or sparse):
+            return _SPARSE_OPS[func](self.sparse, *args, **kwargs)[0]
         out = func(*args, **kwargs)
-        self.values.run(func, args, kwargs, tree_flatten(out)[0], _written_arguments(func, args, kwargs))
+        flat_out = tree_flatten(out)[0]
+        if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
+            return out  # no values kept for sparse tensors outside the sparse table (a CSR input)
+        self.values.run(func, args, kwargs, flat_out, _written_arguments(func, args, kwargs))
         if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:
             self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
@@ -1478,12 +1811,14 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             model = transform(model)
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
+        recorder.sparse.parts.update(shadows.sparse.parts)
         _register_baseline(recorder, prepared)
         # the inputs' known values, and those of the integer buffers the model made from constants
         # (EnCodec's padded convolutions keep their stride and kernel size as int64 buffers and pad by
         # `(length - kernel_size + padding_total) / stride`): a real step reads their values
         buffers = [b for b in prepared.model.buffers() if not b.is_floating_point() and not b.is_complex()]
-        for value in [*_input_tensors(prepared), *buffers]:
+        recorder.approximate.extend(shadows.approximate)
+        for value in (part for t in [*_input_tensors(prepared), *buffers] for part in recorder.sparse.strided(t)):
             if value in shadows.values and recorder.known.keeps(value):
                 recorder.known.keep([value], [shadows.values.real[value]])
         del shadows
@@ -1500,13 +1835,14 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             recorder.begin_phase(phase, step)
 
         def mark_saved(tensor: torch.Tensor) -> torch.Tensor:
-            sid = recorder.ids.get(tensor.untyped_storage())
             if recorder.ops:  # autograd saves an op's tensors right after it runs: count them near it
                 recorder.saved_tensors[len(recorder.ops) - 1] += 1
-            if sid is not None:
+            for sid in (recorder.ids.get(s) for s in recorder.storages_of([tensor])):
+                if sid is None:
+                    continue
                 recorder.saved_at[sid].add(recorder.module_hooks)
-            if sid is not None and recorder.storages[sid]["role"] == "temporaries":
-                recorder.storages[sid]["role"] = "activations"
+                if recorder.storages[sid]["role"] == "temporaries":
+                    recorder.storages[sid]["role"] = "activations"
             kept = _without_graph(tensor)
             if tensor in recorder.known:  # backward reads the same values (a mask indexing as in forward)
                 recorder.known.keep([kept], [recorder.known.real[tensor]])
@@ -1547,16 +1883,16 @@ def _cut_after_last_step(events: tuple[Event, ...]) -> tuple[Event, ...]:
 
 
 def _register_baseline(recorder: _Recorder, prepared: PreparedStep) -> None:
-    for p in prepared.model.parameters():
-        recorder.register(p, "weights")
-    for b in prepared.model.buffers():
-        recorder.register(b, "weights")
-    for _, master in prepared.master_pairs:
-        recorder.register(master, "optimizer_state")  # fp32 master copies: optimizer state, as in ZeRO
-    for state in _optimizer_state(prepared):  # what the optimizer makes when built (Adagrad's sums)
-        recorder.register(state, "optimizer_state")
-    for value in _input_tensors(prepared):
-        recorder.register(value, "inputs")
+    def register(tensors: Iterable[torch.Tensor], role: str) -> None:
+        for tensor in tensors:
+            for part in recorder.sparse.strided(tensor):  # a sparse input: its index and value tensors
+                recorder.register(part, role)
+
+    register(prepared.model.parameters(), "weights")
+    register(prepared.model.buffers(), "weights")
+    register((master for _, master in prepared.master_pairs), "optimizer_state")  # as in ZeRO
+    register(_optimizer_state(prepared), "optimizer_state")  # what the optimizer makes when built (Adagrad's sums)
+    register(_input_tensors(prepared), "inputs")
 
 
 def _input_tensors(prepared: PreparedStep) -> list[torch.Tensor]:

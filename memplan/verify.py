@@ -48,6 +48,7 @@ from memplan.step import (
     call_model,
     collector_off,
     loss_of,
+    memory_parts,
     model_caches_emptied_after,
     optimizer_rule,
     prepare_step,
@@ -484,10 +485,10 @@ def _state_storages(prepared: PreparedStep) -> dict[int, torch.UntypedStorage]:
     if prepared.scaler is not None:
         tensors += [t for t in vars(prepared.scaler).values() if isinstance(t, torch.Tensor)]
     seen: dict[int, torch.UntypedStorage] = {}
-    for tensor in tensors:
-        if tensor.device != prepared.device or tensor.is_meta:
+    for part in (p for tensor in tensors for p in memory_parts(tensor)):
+        if part.device != prepared.device or part.is_meta:
             continue
-        storage = tensor.untyped_storage()
+        storage = part.untyped_storage()
         if storage.data_ptr() != 0:
             seen[storage.data_ptr()] = storage
     return seen

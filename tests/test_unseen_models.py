@@ -528,23 +528,67 @@ def eager_experts(batch_size: int = 2, tokens: int = 64, d: int = 32, experts: i
     return Experts(), (torch.randn(batch_size * tokens, d),)
 
 
-def test_sentinel_expert_is_skipped_by_its_index():
-    # every expert is traced over every (token, slot) pair (the assumed selection): 4 times the rows a
-    # uniform router gives each of the 4. The loop's activations dominate this small model: 2.3x in all
-    predicted, measured = _upper_bound(eager_experts)
-    assert predicted.approximate and "aten.nonzero.default" in predicted.approximate_ops
-    assert predicted.peak_bytes <= 2.5 * measured.measured_peak_bytes
+@pytest.mark.parametrize("counts", ["one_hot", "bincount"])
+def test_routing_by_unknown_router_values_is_a_typical_draw(counts):
+    """The router's top-k over values no one knows: its indices drawn as over uniform values, so each
+    expert takes its share of the (token, slot) pairs, as a fresh router gives (the sentinel class is
+    never hit). While every expert took every pair, the estimate was 2.3 times the measured peak. The
+    draw is not the measured run's routing: the estimate names it, and may lie either side."""
+
+    def experts_counted(batch_size: int = 2):
+        return eager_experts(batch_size, counts=counts)
+
+    experts_counted.__name__ = f"eager_experts_{counts}"
+    predicted, measured = _check(experts_counted, tolerance=0.05)
+    assert predicted.approximate_ops == ("aten.topk.default",)
     # every expert ran: its weights have gradients and optimizer state, as in eager
     assert predicted.phase_peaks["optimizer"] == measured.phase_peaks["optimizer"]
 
 
-def test_bincount_over_unknown_values_takes_minlength_bins():
-    def eager_experts_bincount(batch_size: int = 2):
-        return eager_experts(batch_size, counts="bincount")
+def test_switch_routing_by_argmax_is_a_typical_draw():
+    """Switch Transformers' top-1 routing: argmax over the router, each expert's tokens by a bool mask.
+    Every token went to every expert before the draw (Switch itself: +11.5%)."""
 
-    predicted, measured = _upper_bound(eager_experts_bincount)
+    def switch_experts(batch_size: int = 4, experts: int = 8, d: int = 32):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.router = nn.Linear(d, experts)
+                self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d))
+                                             for _ in range(experts))
+
+            def forward(self, x):
+                x = x.reshape(-1, d)
+                probs = self.router(x).softmax(-1)
+                top = probs.argmax(-1)
+                out = torch.zeros_like(x)
+                for e, expert in enumerate(self.experts):
+                    mask = top == e
+                    out[mask] = expert(x[mask]) * probs[mask, e, None]
+                return out.square().mean()
+
+        return Net(), (torch.randn(batch_size, 64, d),)
+
+    predicted, _ = _check(switch_experts, tolerance=0.05)
+    assert predicted.approximate_ops == ("aten.argmax.default",)
+
+
+def test_bincount_over_unknown_values_takes_minlength_bins():
+    def rows_by_positives(batch_size: int = 4):
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 8)
+
+            def forward(self, x):
+                h = self.fc(x)
+                per_count = torch.bincount((h > 0).sum(-1), minlength=h.shape[-1] + 1)
+                return h.square().mean() * per_count.float().mean()
+
+        return Net(), (torch.randn(batch_size, 16),)
+
+    predicted, _ = _upper_bound(rows_by_positives)
     assert "aten.bincount.default" in predicted.approximate_ops
-    assert predicted.peak_bytes <= 2.5 * measured.measured_peak_bytes
 
 
 def test_known_values_under_tracing():
@@ -628,7 +672,7 @@ def test_unique_over_unknown_values_takes_every_element():
 
             def forward(self, x):
                 h = self.fc(x)
-                used = torch.unique(h.argmax(-1))  # ViLT: `valid_idx[:, 0].unique()`
+                used = torch.unique((h > 0).sum(-1))  # as ViLT's `valid_idx[:, 0].unique()`
                 return h[:, :, used].square().sum()
 
         return Net(), (torch.randn(batch_size, 64, 64),)
@@ -696,7 +740,7 @@ def test_checks_of_float_values_pass():
 
 
 def test_tests_of_indices_still_run_the_work():
-    """`(top == e).any()` over routing indices asks whether an expert has work: it reads true (every
+    """`(top == e).any()` over unknown indices asks whether an expert has work: it reads true (every
     expert runs, an upper bound), not as a validity check."""
 
     def experts_by_any(batch_size: int = 8, experts: int = 4):
@@ -707,7 +751,7 @@ def test_tests_of_indices_still_run_the_work():
                 self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(experts))
 
             def forward(self, x):
-                top = self.router(x).argmax(-1)
+                top = (self.router(x) > 0).sum(-1).remainder(experts)  # integers no draw gives
                 out = torch.zeros_like(x)
                 for e, expert in enumerate(self.experts):
                     if (top == e).any():
@@ -719,10 +763,12 @@ def test_tests_of_indices_still_run_the_work():
     _upper_bound(experts_by_any)  # read as false, no expert would run: under the real step's optimizer state
 
 
-def test_split_by_counts_read_back_is_balanced():
+@pytest.mark.parametrize("pick", ["multinomial", "topk"])
+def test_split_by_counts_read_back_is_balanced(pick):
     def routed_by_counts(batch_size: int = 2, experts: int = 4, top_k: int = 2):
-        """JetMoE's router: tokens per expert read back (`.tolist()`) and split by; unknown, each count
-        reads 1 and the sizes did not add up to the rows."""
+        """JetMoE's router: tokens per expert read back (`.tolist()`) and split by. Picked at random
+        (multinomial), the counts are unknown: each reads 1, the sizes do not add up to the rows, and the
+        rows are shared evenly. Picked by topk, the counts are those of a typical draw."""
 
         class Net(nn.Module):
             def __init__(self):
@@ -732,7 +778,11 @@ def test_split_by_counts_read_back_is_balanced():
 
             def forward(self, x):
                 x = x.reshape(-1, 64)
-                top = self.router(x).topk(top_k, dim=1).indices
+                scores = self.router(x)
+                if pick == "topk":
+                    top = scores.topk(top_k, dim=1).indices
+                else:
+                    top = torch.multinomial(scores.softmax(-1), top_k)
                 counts = torch.zeros(x.shape[0], experts).scatter(1, top, 1).long().sum(0).tolist()
                 grouped = x[top.flatten().sort().indices // top_k]
                 parts = grouped.split(counts, dim=0)
@@ -741,7 +791,8 @@ def test_split_by_counts_read_back_is_balanced():
         return Net(), (torch.randn(batch_size, 32, 64),)
 
     predicted, _ = _check(routed_by_counts)  # the parts' rows add up to the same bytes however split
-    assert "aten.split_with_sizes.default" in predicted.approximate_ops
+    assert {"multinomial": "aten.split_with_sizes.default", "topk": "aten.topk.default"}[pick] \
+        in predicted.approximate_ops
 
 
 # --------------------------------------------------------------------------------------------------

@@ -104,17 +104,17 @@ TOY_FILE = textwrap.dedent(
     def hungry(batch_size: int = 4):
         return Hungry(), (torch.randn(batch_size, 8),)
 
-    class SparseBags(nn.Module):
+    class SparseGraph(nn.Module):
         def __init__(self):
             super().__init__()
-            # sparse gradients: the tracer has no storage to follow for them
-            self.bags = nn.EmbeddingBag(16, 8, sparse=True)
+            self.linear = nn.Linear(8, 8)
 
-        def forward(self, x):
-            return self.bags(x).sum()
+        def forward(self, x, adjacency):
+            # a compressed (CSR) adjacency: the tracer models sparse COO tensors only
+            return torch.sparse.mm(adjacency, self.linear(x)).sum()
 
     def sparse(batch_size: int = 4):
-        return SparseBags(), (torch.randint(0, 16, (batch_size, 3)),)
+        return SparseGraph(), (torch.randn(batch_size, 8), torch.eye(batch_size).to_sparse_csr())
     """
 )
 
@@ -430,7 +430,7 @@ def test_cli_json_says_why_there_is_no_prediction(toy: Path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["predicted_peak_bytes"] is None and data["measured_peak_bytes"] > 0
-    assert data["prediction_error"].startswith("the estimator failed") and "Sparse" in data["prediction_error"]
+    assert data["prediction_error"].startswith("the estimator failed") and "sparse_csr" in data["prediction_error"]
     assert json.loads(runner.invoke(app, ["verify", f"{toy}:build", "--device", "cpu", "--steps", "1", "--json"])
                       .stdout)["prediction_error"] is None
 
