@@ -254,6 +254,15 @@ def _chained(previous: ModuleCall, call: ModuleCall) -> bool:
             and call.first_argument == previous.output_object != 0 and call.arguments == previous.arguments)
 
 
+# ops that torch.utils.checkpoint recomputes wrongly -> why the segment is left out
+UNSAFE_TO_RECOMPUTE = {
+    # nn.RReLU in training fills its noise tensor in place (Tensor(b!) noise): checkpointed, its input's
+    # gradient comes out as garbage (NaN, 1e38), in plain PyTorch as much as in a plan
+    "aten.rrelu_with_noise.default": "it runs nn.RReLU in training, whose noise torch.utils.checkpoint does "
+                                     "not recompute faithfully (wrong gradients)",
+}
+
+
 def unsafe_reason(
     trace: Trace, writers: dict[int, list[int]], call: ModuleCall, forward_end: int, last: ModuleCall | None = None
 ) -> str:
@@ -263,7 +272,16 @@ def unsafe_reason(
         return "a parametrization (torch.nn.utils.parametrize) runs when its weight is read, not as a block"
     if _mutated_after(trace, writers, call, forward_end, last):
         return "its input or output is modified in place later in forward"
+    ops = trace.ops[call.first_op : (last or call).end_op]
+    if any(trace.parameters.intersection(op.writes) for op in ops):
+        return "its forward writes a parameter in place: recomputed, it would write it again"
+    unsafe = next((op.name for op in ops if op.name in UNSAFE_TO_RECOMPUTE), None)
+    if unsafe is not None:
+        return UNSAFE_TO_RECOMPUTE[unsafe]
     members = _members(trace, call, last)
+    rerun = _within({c.path for c in trace.calls if c.phase == "backward"}, members)
+    if rerun is not None:
+        return f"{rerun or 'the model'} runs again in backward: the model checkpoints it itself"
     stored = next((c.stores_into for c in members if c.stores_into), "")
     if stored:
         # transformers' models hand their layers a cache in training too, unless built with use_cache=False
@@ -278,7 +296,7 @@ def unsafe_reason(
         return (f"{stateful or 'the model'} changes its attribute {trace.stateful_modules[stateful]!r} at every "
                 "call: recomputed, it would read what its forward left there")
     approximate_ops = set(trace.approximate_ops)
-    if approximate_ops and any(op.name in approximate_ops for op in trace.ops[call.first_op : (last or call).end_op]):
+    if approximate_ops and any(op.name in approximate_ops for op in ops):
         return "has outputs with data-dependent shapes"
     return ""
 
@@ -332,7 +350,7 @@ def _mutated_after(
         return False
 
     def watched(storages: tuple[int, ...]) -> set[int]:
-        return {sid for sid in storages if trace.storages[sid].role not in ("weights", "inputs")}
+        return {sid for sid in storages if trace.storages[sid].role != "weights"}
 
     inputs = watched(first.inputs)
     return written(inputs, first.first_op) or written(watched(last.outputs) - inputs, last.end_op)

@@ -280,6 +280,7 @@ class Trace:
     # storage id -> when autograd saved it through the saved-tensor hooks, by the clock of
     # ModuleCall.opened and .closed: a checkpoint around the call saving it would drop and recompute it
     saved_at: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    parameters: frozenset[int] = frozenset()  # the storages of the model's parameters (not its buffers)
 
     @functools.cached_property
     def stateful_modules(self) -> dict[str, str]:
@@ -733,6 +734,15 @@ def _mixed_dtypes(args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str 
     return f"operands must have the same dtype, got {', '.join(map(str, dtypes))}" if len(set(dtypes)) > 1 else None
 
 
+def _index_put_dtypes(args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
+    """Values put by index (`out[mask] = expert(x[mask])`) of another dtype than the destination (a bf16
+    expert's output into a float32 buffer under autocast); a single value is a fill, which converts."""
+    destination, values = args[0], args[2]
+    if values.dtype == destination.dtype or values.dim() == 0:
+        return None
+    return f"Index put requires the source and destination dtypes match, got {destination.dtype} and {values.dtype}"
+
+
 def _overflowing(value: Any, dtype: torch.dtype) -> str | None:
     """A fill value `dtype` cannot hold (`masked_fill(mask, torch.finfo(torch.float32).min)` on a bf16
     tensor; c10::checked_convert: infinities and NaN pass)."""
@@ -759,6 +769,8 @@ _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | Non
     **dict.fromkeys((torch.ops.aten.fill.Scalar, torch.ops.aten.fill_.Scalar, torch.ops.aten.masked_fill.Scalar,
                      torch.ops.aten.masked_fill_.Scalar),
                     lambda args, kwargs, inputs: _overflowing(args[-1], args[0].dtype)),
+    **dict.fromkeys((torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                     torch.ops.aten._index_put_impl_.default), _index_put_dtypes),
     torch.ops.aten.full.default: lambda args, kwargs, inputs: _overflowing(args[1], _full_dtype(args[1], kwargs)),
     torch.ops.aten.full_like.default:
         lambda args, kwargs, inputs: _overflowing(args[1], kwargs.get("dtype") or args[0].dtype),
@@ -1592,6 +1604,27 @@ def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def _function_modes_kept_through_backward() -> Iterator[None]:
+    """`loss.backward()` passes through each TorchFunctionMode's handler, which switches its mode off
+    while it runs: the tracer's modes (those entered before this) would miss what backward runs from
+    Python, a checkpointed segment's recomputation above all (a Linear's in-place bias add traced out of
+    place there was an activation too many). The engine starts with them switched back on."""
+    modes = torch.overrides._get_current_function_mode_stack()
+    run = torch.autograd._engine_run_backward
+
+    def run_with_modes(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._len_torch_function_stack():
+            return run(*args, **kwargs)
+        with contextlib.ExitStack() as entered:
+            for mode in modes:
+                entered.enter_context(mode)
+            return run(*args, **kwargs)
+
+    with mock.patch.object(torch.autograd, "_engine_run_backward", run_with_modes):
+        yield
+
+
+@contextlib.contextmanager
 def _checkpoint_inputs_unhooked(pack: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Saved-tensor hooks (the tracer's, which label saved storages as activations) make autograd
     unpack a new tensor object for each saved one. torch.utils.checkpoint saves a segment's inputs
@@ -1813,6 +1846,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         del model, inputs
         recorder.sparse.parts.update(shadows.sparse.parts)
         _register_baseline(recorder, prepared)
+        parameters = frozenset(recorder.ids[p.untyped_storage()] for p in prepared.model.parameters())
         # the inputs' known values, and those of the integer buffers the model made from constants
         # (EnCodec's padded convolutions keep their stride and kernel size as int64 buffers and pad by
         # `(length - kernel_size + padding_total) / stride`): a real step reads their values
@@ -1853,7 +1887,8 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             with rules.function_mode(), _fake_tensors_unseen(), _fake_scalars_format_as_values(), \
                     _fake_tensors_to_numpy(recorder), _SavedWrappedNumbers(recorder), _InPlaceScopes(recorder), \
                     _Rewrites(), recorder, _module_scopes(recorder, prepared.model, calls), \
-                    torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved):
+                    torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved), \
+                    _function_modes_kept_through_backward():
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:
             if hasattr(rules.autocast, "close"):
@@ -1871,6 +1906,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         approximate_ops=tuple(dict.fromkeys(recorder.approximate)),
         saved_tensors=dict(recorder.saved_tensors),
         saved_at={sid: tuple(sorted(times)) for sid, times in recorder.saved_at.items()},
+        parameters=parameters,
     )
 
 

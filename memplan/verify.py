@@ -221,8 +221,8 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
 def gradients_equal(workload: Workload, plan: Plan, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
     """Whether the planned model's parameter gradients equal eager's: one fp32 forward and backward on the
     CPU of the built model and of a checkpointed copy of it, each from the same seeds (dropout draws the
-    same masks; so does code drawing from Python's or NumPy's generator, where nothing recomputes it),
-    compared with torch.allclose."""
+    same masks; so does code drawing from Python's or NumPy's generator, where nothing recomputes it)
+    and its own copy of the inputs (a model may scale its batch in place), compared with torch.allclose."""
     torch.manual_seed(0)
     gradients = []
     with model_caches_emptied_after():
@@ -232,7 +232,7 @@ def gradients_equal(workload: Workload, plan: Plan, rtol: float = 1e-5, atol: fl
             random.seed(123)
             np.random.seed(123)
             candidate.train()
-            loss_of(call_model(candidate, inputs)).backward()
+            loss_of(call_model(candidate, copy.deepcopy(inputs))).backward()
             gradients.append({name: p.grad for name, p in candidate.named_parameters() if p.grad is not None})
     eager, planned = gradients
     return eager.keys() == planned.keys() and all(

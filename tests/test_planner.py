@@ -813,3 +813,122 @@ def test_a_layer_drawing_from_a_host_generator_checkpointed_by_hand_gets_wrong_g
     workload = _factory_workload(lambda: nn.Sequential(_NoisyLayer(source), nn.Linear(32, 1)), (16, 32))
     assert gradients_equal(workload, _by_hand("0")) == equal
     assert gradients_equal(workload, _by_hand("1"))  # the Linear after it
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks that recomputation would break (found by a sweep of plans over unseen models)
+
+
+class _Residual(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class _ScalesItsWeight(_Residual):
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc1.weight.mul_(0.9)  # recomputed, the weight would be scaled twice
+        return super().forward(x)
+
+
+class _ScalesTheBatch(_Residual):
+    def forward(self, x):
+        x.mul_(2.0)  # the step's input, which a checkpoint keeps to recompute from
+        return super().forward(x)
+
+
+class _RReLUBlock(_Residual):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.RReLU()
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class _CheckpointsItsBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Residual() for _ in range(3))
+
+    def forward(self, x):
+        x = torch.utils.checkpoint.checkpoint(self.blocks[0], x, use_reentrant=False)
+        x = torch.utils.checkpoint.checkpoint(self.blocks[1], x, use_reentrant=True)
+        return self.blocks[2](x)
+
+
+@pytest.mark.parametrize("first, excluded, reason", [
+    (_ScalesItsWeight, "0", "its forward writes a parameter in place"),
+    (_ScalesTheBatch, "0", "its input or output is modified in place later in forward"),
+    (_RReLUBlock, "0", "nn.RReLU"),
+])
+def test_blocks_recomputation_would_break_are_left_out(first, excluded, reason):
+    def build(batch_size: int = 8):
+        return nn.Sequential(first(), _Residual(), _Residual()), (torch.randn(batch_size, 16, 32),)
+
+    _, trace = estimate_and_trace(Workload("breaks", build, None, {}), CONFIG, device="cpu")
+    candidates = candidate_blocks(trace)
+    assert reason in {e.path: e.reason for e in candidates.excluded}[excluded]
+    assert [b.path for b in candidates.blocks] == ["1", "2"]
+
+
+def test_blocks_the_model_checkpoints_itself_are_left_out():
+    """A run across the model's own checkpoints crashed the selective planner (the reentrant one hands
+    the next block another tensor than the one the run passes on)."""
+    workload = Workload("own_checkpoints", lambda batch_size=8: (_CheckpointsItsBlocks(), (torch.randn(batch_size, 16, 32),)),
+                        None, {})
+    _, trace = estimate_and_trace(workload, CONFIG, device="cpu")
+    reasons = {e.path: e.reason for e in candidate_blocks(trace).excluded}
+    assert reasons["blocks.0"].endswith("the model checkpoints it itself")
+    assert reasons["blocks.1"].endswith("the model checkpoints it itself")
+    from memplan.selective import plan_selective
+
+    unplanned = estimate(workload, CONFIG, device="cpu").peak_bytes
+    assert not any("blocks.0" in s.modules or "blocks.1" in s.modules
+                   for s in plan_selective(workload, CONFIG, unplanned // 2, device="cpu").plan.segments)
+
+
+def test_recomputation_is_traced_with_the_tracers_function_modes():
+    """A Linear over a non-contiguous 3-d input adds its bias in place (trace._InPlaceScopes, a
+    TorchFunctionMode). `loss.backward()` passes through the modes' handlers, which switch them off, so
+    the recomputation in backward traced the add out of place: 262,144 B over at the backward peak."""
+
+    class Transposing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):  # hands on a (B, T, D) view with transposed strides
+            return F.gelu(self.fc(x)).transpose(1, 2).contiguous().transpose(1, 2)
+
+    def build(batch_size: int = 16):
+        return nn.Sequential(*[Transposing() for _ in range(3)], nn.Linear(64, 4)), (torch.randn(batch_size, 64, 64),)
+
+    workload = Workload("transposing", build, None, {})
+    plan = Plan(model="transposing", batch_size=16, precision="fp32", optimizer="sgd", grad_accum=1, device="cpu",
+                method="manual", segments=(Segment(("1", "2")),), feasible=True, budget_bytes=None,
+                predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=0)
+    from memplan.emit import apply_plan
+
+    config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
+    predicted = estimate(workload, config, device="cpu", transform=lambda m: apply_plan(m, plan))
+    measured = measure(workload, config, device="cpu", plan=plan)
+    assert predicted.phase_peaks == measured.phase_peaks
+
+
+def test_gradients_are_compared_on_copies_of_the_inputs():
+    """A model that scales its batch in place: the planned run used to read the batch the eager run had
+    scaled, and its gradients differed though the plan (which leaves the scaling block out) is exact."""
+
+    def build(batch_size: int = 8):
+        return nn.Sequential(_ScalesTheBatch(), _Residual(), _Residual()), (torch.randn(batch_size, 16, 32),)
+
+    workload = Workload("scales_the_batch", build, None, {})
+    plan = Plan(model="scales_the_batch", batch_size=8, precision="fp32", optimizer="sgd", grad_accum=1, device="cpu",
+                method="manual", segments=(Segment(("1",)), Segment(("2",))), feasible=True, budget_bytes=None,
+                predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=0)
+    assert gradients_equal(workload, plan)

@@ -1177,8 +1177,18 @@ class _MixedGridSample(_OneLayer):
         return F.grid_sample(volume, grid, align_corners=False).float().sum()
 
 
+class _MixedIndexPut(_OneLayer):
+    """A bf16 expert's output put by mask into a float32 buffer: `out[mask] = expert(x[mask])`."""
+
+    def forward(self, x):
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        mask = torch.arange(x.shape[0]) % 2 == 0
+        out[mask] = self.fc(x[mask])
+        return out.sum()
+
+
 @pytest.mark.parametrize("net, refusal", [(_MixedProduct, "same dtype"), (_OverflowingFill, "overflow"),
-                                          (_MixedGridSample, "type")])
+                                          (_MixedGridSample, "type"), (_MixedIndexPut, "dtypes match")])
 def test_steps_eager_refuses_are_not_estimated(net, refusal):
     """The fake kernels skip checks that eager's make: the estimate must fail as the real step does."""
     with pytest.raises(RuntimeError, match=refusal):  # eager, the ground truth
