@@ -279,7 +279,7 @@ def unsafe_reason(
     if unsafe is not None:
         return UNSAFE_TO_RECOMPUTE[unsafe]
     members = _members(trace, call, last)
-    rerun = _within({c.path for c in trace.calls if c.phase == "backward"}, members)
+    rerun = _within(trace.rerun_in_backward, members)
     if rerun is not None:
         return f"{rerun or 'the model'} runs again in backward: the model checkpoints it itself"
     stored = next((c.stores_into for c in members if c.stores_into), "")

@@ -299,6 +299,11 @@ class Trace:
         return {c.path: c.draws_from for c in self._last_forward_calls if c.draws_from}
 
     @functools.cached_property
+    def rerun_in_backward(self) -> frozenset[str]:
+        """Modules called again in backward without a plan: the model checkpoints them itself."""
+        return frozenset(c.path for c in self.calls if c.phase == "backward")
+
+    @functools.cached_property
     def _last_forward_calls(self) -> tuple[ModuleCall, ...]:
         last = max((c.step for c in self.calls), default=0)
         return tuple(c for c in self.calls if c.phase == "forward" and c.step == last)
