@@ -31,7 +31,7 @@ from memplan.replay import Timeline, estimate_replayed
 from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
 from memplan.timing import TimeModel, op_seconds, recompute_seconds, time_model_for
-from memplan.trace import ModuleCall, Op, Trace
+from memplan.trace import ModuleCall, Op, Trace, drawn
 from memplan.workload import Workload
 
 CONTAINERS = ("ModuleList", "Sequential")
@@ -295,7 +295,7 @@ def unsafe_reason(
     if stateful is not None:
         return (f"{stateful or 'the model'} changes its attribute {trace.stateful_modules[stateful]!r} at every "
                 "call: recomputed, it would read what its forward left there")
-    approximate_ops = set(trace.approximate_ops)
+    approximate_ops = {name for name in trace.approximate_ops if not drawn(name)}
     if approximate_ops and any(op.name in approximate_ops for op in ops):
         return "has outputs with data-dependent shapes"
     return ""

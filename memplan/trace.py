@@ -22,6 +22,7 @@ import random
 import sys
 import types
 import weakref
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1154,6 +1155,12 @@ _TYPICAL_SELECTIONS = {torch.ops.aten.topk, torch.ops.aten.argmax, torch.ops.ate
                        torch.ops.aten.min, torch.ops.aten.sort, torch.ops.aten.kthvalue}
 
 
+def drawn(op_name: str) -> bool:
+    """Whether an op named in Trace.approximate_ops is a selection drawn (_TYPICAL_SELECTIONS): its draw
+    repeats when recomputed, so unlike an assumed shape it does not keep a checkpoint from it."""
+    return any(op_name.startswith(f"{packet}.") for packet in _TYPICAL_SELECTIONS)
+
+
 @dataclass
 class _CooParts:
     """A sparse COO tensor's parts: its index and value tensors (which hold its memory), and its flag."""
@@ -1434,7 +1441,6 @@ class _RealValues:
         self.keeps = keeps
         self.draws = draws  # random integer and bool tensors too (see `compute`)
         self.selections = selections  # indices of _TYPICAL_SELECTIONS over unknown values too (see `selected`)
-        self.stand_ins = torch.Generator().manual_seed(0)  # the uniform values they select from
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.typical: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # known from a draw: its op's name
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
@@ -1497,8 +1503,12 @@ class _RealValues:
         from torch.utils._python_dispatch import _disable_current_modes
 
         flat, spec = tree_flatten((args, kwargs))
+        unknown = tuple(tuple(v.shape) for v in flat if isinstance(v, FakeTensor) and v not in self.real)
+        # one draw per op and shapes: every call of it selects alike (each layer's router), and a
+        # checkpoint's recomputation selects as its forward did
+        stand_ins = torch.Generator().manual_seed(zlib.crc32(repr((str(func), unknown)).encode()))
         with _disable_current_modes():
-            reals = [torch.rand(v.shape, generator=self.stand_ins) if isinstance(v, FakeTensor) and v not in self.real
+            reals = [torch.rand(v.shape, generator=stand_ins) if isinstance(v, FakeTensor) and v not in self.real
                      else self.value(v) for v in flat]
             real_args, real_kwargs = tree_unflatten(reals, spec)
             try:

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan.emit import apply_plan
 from memplan.estimate import estimate
+from memplan.plan import Plan, Segment
 from memplan.step import StepConfig
-from memplan.verify import measure
+from memplan.verify import gradients_equal, measure
 from memplan.workload import Workload
 
 PHASES = ("forward", "backward", "optimizer")
@@ -543,6 +545,25 @@ def test_routing_by_unknown_router_values_is_a_typical_draw(counts):
     assert predicted.approximate_ops == ("aten.topk.default",)
     # every expert ran: its weights have gradients and optimizer state, as in eager
     assert predicted.phase_peaks["optimizer"] == measured.phase_peaks["optimizer"]
+
+
+def test_a_checkpointed_router_draws_again_as_in_its_forward():
+    """A plan that recomputes the router: the recomputation must select the rows its forward selected, or
+    checkpoint finds other shapes (a CheckpointError while tracing). One draw per op and shapes."""
+
+    def routed(batch_size: int = 2):
+        experts, inputs = eager_experts(batch_size)
+        return nn.Sequential(nn.Linear(32, 32), experts), inputs
+
+    plan = Plan(model="routed", batch_size=2, precision="fp32", optimizer="adamw", grad_accum=1, device="cpu",
+                method="manual", segments=(Segment(("1",)),), feasible=True, budget_bytes=None,
+                predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=0)
+    workload = Workload("routed", routed, None, {})
+    config = StepConfig(precision="fp32", optimizer="adamw", steps=2)
+    predicted = estimate(workload, config, device="cpu", transform=lambda m: apply_plan(m, plan))
+    measured = measure(workload, config, device="cpu", plan=plan)
+    assert abs(predicted.peak_bytes - measured.measured_peak_bytes) <= 0.05 * measured.measured_peak_bytes
+    assert gradients_equal(workload, plan)
 
 
 def test_switch_routing_by_argmax_is_a_typical_draw():
