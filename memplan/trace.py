@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
@@ -91,8 +91,6 @@ def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_leng
     from the lengths. Padded 2-D targets give it by their width, integer-list lengths and tensor
     lengths whose values are known (`known`) by their values (all exact); concatenated 1-D targets with
     other tensor lengths are bounded by all the targets."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     lengths = known(target_lengths) if isinstance(target_lengths, torch.Tensor) else None
     if targets.dim() == 2:
         longest, exact = targets.shape[1], True
@@ -129,8 +127,6 @@ def _pack_padded_sequence_outputs(input: torch.Tensor, lengths: torch.Tensor, ba
     The packed RNNs and their backward read batch_sizes through its data pointer (RNN.cpp,
     PackedSequence.cpp), which a fake tensor has not, so batch_sizes is a real tensor: exact from
     known lengths, else every sequence at full length (an upper bound)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     values = known(lengths)
     batch, steps = (input.shape[0], input.shape[1]) if batch_first else (input.shape[1], input.shape[0])
     with _disable_current_modes():
@@ -492,7 +488,7 @@ class _Recorder(TorchDispatchMode):
         indexed, mask_bytes = self._masks_as_indices(func, args) if func in _MASK_INDEXED else (args, 0)
         if func is torch.ops.aten.split_with_sizes.default:
             indexed = self._balanced_split(args)
-        by_sparse_table = func in _SPARSE_OPS and (sparse or func in _SPARSE_CONSTRUCTORS)
+        by_sparse_table = _by_sparse_table(func, args, kwargs, sparse)
         if by_sparse_table:
             out, sparse_scratch = _SPARSE_OPS[func](self.sparse, *args, **kwargs)
         elif data_dependent:
@@ -670,8 +666,6 @@ class _Recorder(TorchDispatchMode):
 
     def _data_dependent(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """The output of a data-dependent op (`_DATA_DEPENDENT`): exact from known operands, or assumed."""
-        from torch.utils._python_dispatch import _disable_current_modes
-
         x = args[0]
         bounded = True
         if func is torch.ops.aten.bincount.default:  # one bin per value up to the largest: bound it first
@@ -731,8 +725,8 @@ _VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
 _TEST_COMBINATIONS = {getattr(torch.ops.aten, name) for name in (
     "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
     "any", "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
-# Checks eager's CPU and CUDA kernels make that the fake kernels skip (op -> (args, kwargs, tensor
-# operands) -> what eager raises, or None): without them the estimate would be a step that cannot run
+
+
 def _mixed_dtypes(args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
     """Matrix products and grid samples of mixed dtypes (a float32 tensor made in the forward times bf16
     weights, RAFT's float32 grid over a bf16 volume)."""
@@ -767,6 +761,8 @@ def _full_dtype(value: Any, kwargs: dict) -> torch.dtype:
     return torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.get_default_dtype()
 
 
+# Checks eager's CPU and CUDA kernels make that the fake kernels skip (op -> (args, kwargs, tensor
+# operands) -> what eager raises, or None): without them the estimate would be a step that cannot run
 _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | None]] = {
     **dict.fromkeys((torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
                      torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default, torch.ops.aten.mv.default,
@@ -1072,8 +1068,6 @@ def _pad_packed_sequence(data: torch.Tensor, batch_sizes: torch.Tensor, batch_fi
             offset, previous_step = offset + count, step
         values += [step] * (previous_batch - batch)
         previous_batch = batch
-    from torch.utils._python_dispatch import _disable_current_modes
-
     with _disable_current_modes():
         known = torch.tensor(values[::-1], dtype=torch.int64)
     return (output.transpose(0, 1) if batch_first else output), lengths.copy_(known)
@@ -1188,8 +1182,6 @@ class _SparseTensors:
 
     def of(self, tensor: torch.Tensor) -> _CooParts:
         if tensor not in self.parts:  # made outside the step (a sparse input): the fake kernel counted it
-            from torch.utils._python_dispatch import _disable_current_modes
-
             with _disable_current_modes():
                 self.parts[tensor] = _CooParts(tensor._indices(), tensor._values(), tensor.is_coalesced())
         return self.parts[tensor]
@@ -1201,8 +1193,6 @@ class _SparseTensors:
         if tensor.layout is torch.sparse_coo:
             parts = self.of(tensor)
             return (parts.indices, parts.values)
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes():  # not ops of the step
             return memory_parts(tensor)
 
@@ -1223,8 +1213,6 @@ class _SparseTensors:
         reals = [self.real(source) for source in sources]
         if any(real is None for real in reals):
             return None
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes():  # real tensors: no op of the step
             return compute(*reals)
 
@@ -1338,6 +1326,13 @@ def _sparse_masked(table: _SparseTensors, dense: torch.Tensor, mask: torch.Tenso
     return table.make(mask.shape, indices, values, parts.coalesced), (values.numel() + 1) * values.element_size()
 
 
+def _by_sparse_table(func: Any, args: tuple, kwargs: dict, sparse_inputs: bool) -> bool:
+    """Whether the sparse table runs this call: an op of _SPARSE_OPS over sparse tensors, or making one."""
+    if func not in _SPARSE_OPS:
+        return False
+    return sparse_inputs or (func in _SPARSE_CONSTRUCTORS and _SPARSE_CONSTRUCTORS[func](args, kwargs))
+
+
 def _embedding_bag_backward(table: _SparseTensors, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                             offset2bag: torch.Tensor, bag_size: torch.Tensor, maximum_indices: torch.Tensor,
                             num_weights: int, scale_grad_by_freq: bool, mode: int, sparse: bool,
@@ -1345,12 +1340,7 @@ def _embedding_bag_backward(table: _SparseTensors, grad: torch.Tensor, indices: 
     """nn.EmbeddingBag(sparse=True)'s weight gradient (eager's _embedding_bag_sparse_backward): one row of
     values per index, gathered from its bag's gradient, over the indices themselves (a view); a sum
     recounts which bag each index is in ((indices + 1) x 8 B), a mean scales by the bag sizes.
-    Its fake kernel miscounts the rows. A dense gradient runs as the fake kernel says."""
-    args = (grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode,
-            sparse, per_sample_weights, padding_idx)
-    if not sparse:
-        out = torch.ops.aten._embedding_bag_backward.default(*args)
-        return out, int(table.rules.scratch(torch.ops.aten._embedding_bag_backward.default, args, {}, out))
+    Its fake kernel miscounts the rows (a dense gradient is no sparse table's: _SPARSE_CONSTRUCTORS)."""
     if padding_idx >= 0 or scale_grad_by_freq:  # rows dropped or scaled by the indices' values
         table.approximate.append(str(torch.ops.aten._embedding_bag_backward.default))
     count = indices.numel()
@@ -1397,8 +1387,11 @@ def _sparse_count(table: _SparseTensors, tensor: torch.Tensor) -> tuple[int, int
 
 
 _aten = torch.ops.aten
-# ops that make sparse tensors from strided ones
-_SPARSE_CONSTRUCTORS = {_aten._sparse_coo_tensor_with_dims_and_tensors.default, _aten._embedding_bag_backward.default}
+# ops that make sparse tensors from strided ones -> whether a call does (args, kwargs -> bool)
+_SPARSE_CONSTRUCTORS: dict[Any, Callable[[tuple, dict], bool]] = {
+    _aten._sparse_coo_tensor_with_dims_and_tensors.default: lambda args, kwargs: True,
+    _aten._embedding_bag_backward.default: lambda args, kwargs: args[9] if len(args) > 9 else kwargs["sparse"],
+}
 # op on sparse COO tensors -> (the table, *args, **kwargs) -> (its result, the scratch bytes its kernel holds)
 _SPARSE_OPS: dict[Any, Callable[..., tuple[Any, int]]] = {
     _aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_constructed,
@@ -1449,8 +1442,6 @@ class _RealValues:
         return tensor in self.real
 
     def item(self, tensor: torch.Tensor) -> Any:
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes():  # the fake mode below would take the real tensor for a fake one
             return self.real[tensor].item()
 
@@ -1476,8 +1467,6 @@ class _RealValues:
             if real is None and value is not None:  # (an optional argument left out is no unknown)
                 return None
             real_flat.append(real)
-        from torch.utils._python_dispatch import _disable_current_modes
-
         real_args, real_kwargs = tree_unflatten(real_flat, spec)
         generators = ([g for g in real_flat if isinstance(g, torch.Generator)] or [torch.default_generator]) if draw else []
         states = [g.get_state() for g in generators]
@@ -1492,16 +1481,12 @@ class _RealValues:
 
     def median(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
         """A single draw's stand-in value (`_DRAW_MEDIANS`)."""
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes():
             return torch.full(out.shape, _DRAW_MEDIANS[func._overloadpacket](*args, **kwargs), dtype=out.dtype)
 
     def selected(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor | None]:
         """A _TYPICAL_SELECTIONS op's integer outputs (its indices, flattened) over uniform stand-ins for
         the values no one knows; its other outputs None (still unknown)."""
-        from torch.utils._python_dispatch import _disable_current_modes
-
         flat, spec = tree_flatten((args, kwargs))
         unknown = tuple(tuple(v.shape) for v in flat if isinstance(v, FakeTensor) and v not in self.real)
         # one draw per op and shapes: every call of it selects alike (each layer's router), and a
@@ -1591,7 +1576,7 @@ class _ConstantShadows(TorchDispatchMode):
             return True if real is None else real
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         sparse = any(t.layout is not torch.strided for t in inputs)
-        if func in _SPARSE_OPS and (func in _SPARSE_CONSTRUCTORS or sparse):
+        if _by_sparse_table(func, args, kwargs, sparse):
             return _SPARSE_OPS[func](self.sparse, *args, **kwargs)[0]
         out = func(*args, **kwargs)
         flat_out = tree_flatten(out)[0]
@@ -1612,8 +1597,6 @@ def _without_graph(tensor: torch.Tensor) -> torch.Tensor:
     An op that saves its own output (tanh, softmax, exp) would otherwise keep, in its node, a tensor
     that holds the node: a cycle that outlives a branch no backward runs through (a pooler's output
     that no loss reads), where eager, which saves outputs without their node, frees it."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     with _disable_current_modes():  # not an op of the step
         return tensor.detach()
 
@@ -1753,8 +1736,6 @@ def _fake_tensors_to_numpy(recorder: _Recorder) -> Iterator[None]:
     where the recorder knows them, else to zeros of its shape and dtype: values unknown, as
     `_Recorder._scalar` reads an unknown scalar; what NumPy returns then has the shape it would have
     (an assignment's size is min(rows, columns) whatever the costs)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     original = torch.Tensor.numpy
 
     def numpy(self: torch.Tensor, *, force: bool = False) -> Any:

@@ -112,3 +112,22 @@ def test_a_sparse_op_not_modelled_fails_the_estimate_by_name():
     """Not an estimate from the fake kernel's miscount: the op is named."""
     with pytest.raises(NotImplementedError, match=r"aten\._to_sparse.* with sparse tensors is not modelled"):
         estimate(Workload("to_sparse", to_sparse_in_forward, None, {}), StepConfig(steps=2), device="cpu")
+
+
+def test_the_cli_names_a_sparse_op_not_modelled_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    path = tmp_path / "to_sparse.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(8, 8)\n\n"
+        "    def forward(self, x):\n        return torch.sparse.sum(torch.relu(self.fc(x)).to_sparse())\n\n\n"
+        "def build(batch_size=4):\n    return Net(), (torch.randn(batch_size, 8),)\n")
+    result = CliRunner().invoke(app, ["estimate", f"{path}:build", "--device", "cpu"])
+    assert result.exit_code == 1, result.output
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "aten._to_sparse.default with sparse tensors is not modelled" in result.stderr

@@ -596,11 +596,7 @@ def test_switch_routing_by_argmax_is_a_typical_draw():
 
 def test_bincount_over_unknown_values_takes_minlength_bins():
     def rows_by_positives(batch_size: int = 4):
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.fc = nn.Linear(16, 8)
-
+        class Net(_OneLayer):
             def forward(self, x):
                 h = self.fc(x)
                 per_count = torch.bincount((h > 0).sum(-1), minlength=h.shape[-1] + 1)
