@@ -1334,3 +1334,190 @@ def _cuda_reduction_input_copy(args: tuple, kwargs: dict, out: Any) -> int:
     if self.dtype in _REDUCED and out.dtype == torch.float32:
         return 0
     return _reduction_input_copy(self, out.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Linear algebra (LAPACK through MKL: aten/src/ATen/native/BatchLinearAlgebra.cpp,
+# BatchLinearAlgebraKernel.cpp; matrix_exp and pinv: LinearAlgebra.cpp). `batch` is the product of the
+# batch dimensions (1 for a 2-D input). LAPACK's workspaces are `at::empty({lwork})` sized by LAPACK's
+# own workspace query, which MKL answers by its blocking (sgeev asks for far more than dgeev): they are
+# measured once per (op, n, dtype) on an n x n identity (_lapack_workspace).
+
+
+def _matrices(a: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, rows, columns) of a batch of matrices."""
+    return a.numel() // max(1, a.shape[-2] * a.shape[-1]), a.shape[-2], a.shape[-1]
+
+
+def _real_itemsize(dtype: torch.dtype) -> int:
+    return _itemsize(dtype.to_real()) if dtype.is_complex else _itemsize(dtype)
+
+
+@scratch_rule("cpu", aten._linalg_check_errors.default)
+def _linalg_check_errors(args: tuple, kwargs: dict, out: Any) -> int:
+    """BatchLinearAlgebra.cpp _linalg_check_errors: `infos.any().item<bool>()`: the bool result and
+    the bool copy of the int32 infos (ReduceOps.cpp allany_impl)."""
+    return 1 + args[0].numel()
+
+
+def _pivots_checks(batch: int, n: int) -> int:
+    """BatchLinearAlgebraKernel.cpp lu_solve_kernel checks the pivots' range (`pivots > 0`, `pivots <= n`
+    and `.all()`), one after the other: a wrapped int64 bound and its int32 copy, a bool per pivot."""
+    return 8 + 4 + batch * n
+
+
+@scratch_rule("cpu", aten._linalg_solve_ex.default)
+def _linalg_solve_ex(args: tuple, kwargs: dict, out: Any) -> int:
+    """_linalg_solve_ex_out factors A into the LU output and runs linalg_lu_solve into the result: the
+    pivots' checks only."""
+    batch, _, n = _matrices(args[0])
+    return _pivots_checks(batch, n)
+
+
+@scratch_rule("cpu", aten.linalg_inv_ex.default)
+def _linalg_inv_ex(args: tuple, kwargs: dict, out: Any) -> int:
+    """linalg_inv_ex_out: the identity in the result, then linalg_solve_ex_out(result, A, result), whose
+    LU (a copy of A) and int32 pivots are its own; then the pivots' checks (and _linalg_check_errors'
+    few bytes once they are freed)."""
+    a = args[0]
+    batch, _, n = _matrices(a)
+    return a.numel() * _itemsize(a.dtype) + 4 * batch * n + _pivots_checks(batch, n)
+
+
+@scratch_rule("cpu", aten.lu_unpack.default)
+def _lu_unpack(args: tuple, kwargs: dict, out: Any) -> int:
+    """lu_unpack_out with unpack_pivots: `perm = at::arange(m, kLong).expand(batch + (m,)).contiguous()`:
+    the arange, and its batched copy while both live (no copy without a batch of more than one)."""
+    lu, unpack_pivots = args[0], _argument(args, kwargs, 3, "unpack_pivots", True)
+    if not unpack_pivots:
+        return 0
+    batch, m, _ = _matrices(lu)
+    return 8 * m + (8 * batch * m if lu.shape[:-2].numel() > 1 else 0)
+
+
+@scratch_rule("cpu", aten._linalg_svd.default)
+def _linalg_svd(args: tuple, kwargs: dict, out: Any) -> int:
+    """linalg_svd_out -> svd_stub (apply_svd, gesdd): it works on `cloneBatchedColumnMajor(A)` and
+    writes one int32 info per matrix (gesdd's work and iwork are std::vectors, not the allocator's)."""
+    a = args[0]
+    batch, _, _ = _matrices(a)
+    return a.numel() * _itemsize(a.dtype) + 4 * batch
+
+
+_ONE_MATRIX: dict[tuple, int] = {}
+
+
+def _one_matrix_scratch(func: Any, n: int, dtype: torch.dtype, *flags: Any) -> int:
+    """The scratch of `func(eye(n), *flags)`, measured once: LAPACK's workspace (batch-independent:
+    allocated once for the batch) plus the per-matrix buffers of one matrix. 0 under a running profiler."""
+    key = (str(func), n, dtype, flags)
+    if key not in _ONE_MATRIX:
+        if torch._C._autograd._profiler_enabled():
+            warnings.warn(f"memplan: cannot measure LAPACK's workspace for {func} under a running profiler; "
+                          "counted as 0", stacklevel=3)
+            return 0
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), torch.autocast("cpu", enabled=False):
+            _ONE_MATRIX[key] = measure(lambda a: func(a, *flags), lambda: torch.eye(n, dtype=dtype)).extra
+    return _ONE_MATRIX[key]
+
+
+@scratch_rule("cpu", aten._linalg_eigh.default)
+def _linalg_eigh(args: tuple, kwargs: dict, out: Any) -> int:
+    """_linalg_eigh_out -> linalg_eigh_stub (apply_lapack_eigh, syevd): one work and one iwork buffer
+    for the batch (sized by LAPACK's query) and an int32 info per matrix; without eigenvectors the
+    kernel works on a column-major copy of A instead of in the eigenvectors output."""
+    a = args[0]
+    uplo, compute_v = _argument(args, kwargs, 1, "UPLO", "L"), _argument(args, kwargs, 2, "compute_v", True)
+    batch, _, n = _matrices(a)
+    if a.numel() == 0:
+        return 0
+    per_matrix = 4 + (0 if compute_v else n * n * _itemsize(a.dtype))
+    return _one_matrix_scratch(aten._linalg_eigh.default, n, a.dtype, uplo, compute_v) + (batch - 1) * per_matrix
+
+
+def _geev_per_matrix(a: torch.Tensor, vectors: bool) -> int:
+    """BatchLinearAlgebra.cpp linalg_eig_out_info for a real A: a column-major copy of A, the real and
+    imaginary parts of the eigenvalues (`real_imag_values`, 2n real), with vectors the real eigenvectors
+    (`maybe_complex_vectors`, n x n) before they are made complex, and an int32 info."""
+    _, _, n = _matrices(a)
+    size = _itemsize(a.dtype)
+    return 4 + 2 * n * size + n * n * size * (2 if vectors else 1)
+
+
+def _eig(func: Any, vectors: bool) -> ScratchFormula:
+    """linalg_eig / linalg_eigvals (geev): geev's work buffer once for the batch, the rest per matrix
+    (the input's isfinite check before it is smaller than the outputs). Complex inputs are measured
+    for one matrix and scaled (not read off the source)."""
+
+    def formula(args: tuple, kwargs: dict, out: Any) -> int:
+        a = args[0]
+        batch, _, n = _matrices(a)
+        if a.numel() == 0:
+            return 0
+        one = _one_matrix_scratch(func, n, a.dtype)
+        per_matrix = one if a.is_complex() else _geev_per_matrix(a, vectors)
+        return one + (batch - 1) * per_matrix
+
+    return formula
+
+
+scratch_rule("cpu", aten.linalg_eig.default)(_eig(aten.linalg_eig.default, vectors=True))
+scratch_rule("cpu", aten.linalg_eigvals.default)(_eig(aten.linalg_eigvals.default, vectors=False))
+
+
+@scratch_rule("cpu", aten.linalg_pinv.atol_rtol_tensor)
+def _linalg_pinv(args: tuple, kwargs: dict, out: Any) -> int:
+    """LinearAlgebra.cpp linalg_pinv: get_atol_rtol makes 0-dim double tolerances for those not given;
+    `[U, S, V] = input.svd()` (or `linalg_eigh` when hermitian, with `S.abs()` and its amax); `tol =
+    max(atol.unsqueeze(-1), rtol.unsqueeze(-1) * max_val)` (promoted with the 1-dim tolerances: double
+    by default); `where(S > tol, S.reciprocal(), zeros({}))` (S converted to tol's dtype for the
+    comparison, a bool mask); then `matmul(V * S_pseudoinv.unsqueeze(-2), U.mH())`: the scaled V and
+    the result, with the factors still alive."""
+    a = args[0]
+    atol, rtol = _argument(args, kwargs, 1, "atol", None), _argument(args, kwargs, 2, "rtol", None)
+    hermitian = _argument(args, kwargs, 3, "hermitian", False)
+    if a.numel() == 0:
+        return 0
+    batch, m, n = _matrices(a)
+    k = min(m, n)
+    size, real = _itemsize(a.dtype), _real_itemsize(a.dtype)
+    tolerances = sum(8 for t in (atol, rtol) if t is None)
+    tol_dtype = a.dtype.to_real() if a.dtype.is_complex else a.dtype
+    for t in (atol, rtol):
+        tol_dtype = _promote_types(tol_dtype, torch.float64 if t is None else t.dtype)
+    tol = batch * _itemsize(tol_dtype)
+    values = batch * k * real
+    if hermitian:
+        factors = batch * n * n * size + values  # eigenvectors U, eigenvalues S
+        decomposing = factors + _linalg_eigh((a, "L", True), {}, None)
+        factors += values + batch * real  # S.abs(), its amax
+    else:
+        factors = batch * (m * k + k * n) * size + values  # U, Vh, S
+        decomposing = factors + _linalg_svd((a,), {}, None)
+    comparison = batch * k * _itemsize(tol_dtype) if tol_dtype != a.dtype else values
+    selecting = factors + tol + real + values + comparison + batch * k
+    result = batch * n * m * size
+    multiplying = factors + tol + values + batch * n * k * size + result
+    return tolerances + max(decomposing, selecting, multiplying) - result
+
+
+@scratch_rule("cpu", aten.linalg_matrix_exp.default)
+def _linalg_matrix_exp(args: tuple, kwargs: dict, out: Any) -> int:
+    """LinearAlgebra.cpp mexp_impl. A batch of more than one matrix always takes the degree-18 Taylor
+    approximation with scaling and squaring (compute_T18_scale_square): the 1-norms, `s` and `2^-s`
+    (one real each per matrix), the scaled input, compute_T18's five powers `As` and
+    `_compute_linear_combination(As, bs)`'s five (the peak, before the squarings). One matrix picks its
+    degree by its norm, which a trace does not know: the largest branch is counted (an upper bound),
+    degree 18 on `index_select`ed copies, below `res` (the NaN-filled result): two matrices more, and
+    the large-norm indices (int64) and norms."""
+    a = args[0]
+    batch, _, n = _matrices(a)
+    if n <= 1 or batch == 0:  # a clone, or exp()
+        return 0
+    matrix_bytes = batch * n * n * _itemsize(a.dtype)
+    real = _real_itemsize(a.dtype)
+    if batch > 1:
+        return 10 * matrix_bytes + 3 * batch * real
+    return 12 * matrix_bytes + 8 + 4 * real
