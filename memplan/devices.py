@@ -17,6 +17,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
 
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
+from memplan.cpu_kernels import missing_cpu_kernel
 from memplan.cuda_kernels import cuda_kernels
 from memplan.errors import BadInput
 from memplan.scratch import rnn_workspace_bytes, scratch_of
@@ -311,6 +312,7 @@ class DeviceModel:
     foreach_optimizers: bool = False  # torch's optimizer default: foreach on CUDA, for-loop on the CPU
     autocast_lists: str | None = None  # "cuda": emulate CUDA's autocast op lists on fake CPU tensors
     function_mode: Callable[[], Any] | None = None  # a context for device kernel choices made in Python
+    missing_kernel: Callable[[Any, tuple, dict], str | None] | None = None  # see TraceRules.missing_kernel
     # allocator(baseline storage id -> bytes): the allocator model, with the baseline already live
     allocator: Callable[[dict[int, int]], Any] = ExactAllocator.from_live
 
@@ -324,6 +326,8 @@ class DeviceModel:
 
             autocast = emulated_autocast(self.autocast_lists)
         extra = {"function_mode": self.function_mode} if self.function_mode else {}
+        if self.missing_kernel:
+            extra["missing_kernel"] = self.missing_kernel
         return TraceRules(
             scratch=self.scratch, foreach=foreach, autocast=autocast, fix_outputs=output_fixes(self.name), **extra
         )
@@ -349,7 +353,8 @@ def cuda_model(compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY)
 
 DEVICES: dict[str, Callable[[], DeviceModel]] = {
     "cpu": lambda: DeviceModel(
-        "cpu", "CPU allocator (exact request sizes)", exact_bytes, scratch_of("cpu"), function_mode=host_rng_state
+        "cpu", "CPU allocator (exact request sizes)", exact_bytes, scratch_of("cpu"), function_mode=host_rng_state,
+        missing_kernel=missing_cpu_kernel,
     ),
     "cuda": cuda_model,
 }

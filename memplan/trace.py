@@ -63,10 +63,13 @@ _UNIQUE = {torch.ops.aten._unique2.default, torch.ops.aten._unique.default, torc
 # index once, as each unknown count reads 1.
 _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
                    torch.ops.aten.bincount.default, torch.ops.aten.repeat_interleave.Tensor, *_UNIQUE}
-# Kernels whose internal scratch depends on the values (matrix_exp's Padé degree follows the matrix's
-# norm; parametrizations.orthogonal runs it): not modelled, so the estimate says approximate and names
-# them (a lower bound: `python benchmarks/scratch_calibration.py sweep:opinfo` lists linear algebra)
-_SCRATCH_BY_VALUES = {torch.ops.aten.linalg_matrix_exp.default}
+# Kernels whose internal scratch depends on the values, for the calls where it does (op -> the test):
+# one matrix's exponential takes its Taylor degree by the matrix's norm, which a trace does not know
+# (a batch takes degree 18 whatever the norm; parametrizations.orthogonal runs one). The scratch rule
+# counts the largest branch, so the estimate says approximate and names the op (an upper bound).
+_SCRATCH_BY_VALUES: dict[Any, Callable[[tuple], bool]] = {
+    torch.ops.aten.linalg_matrix_exp.default: lambda args: args[0].shape[:-2].numel() <= 1,
+}
 # Advanced indexing by a bool (or uint8) mask, `x[mask]` and `x[mask] = v`: eager's kernels replace each mask
 # by the indices of its true elements (aten/src/ATen/native/IndexingUtils.h expandTensors: `mask.nonzero()`,
 # held for the op), which the fake kernels do too, below the recorder, where a data-dependent shape fails.
@@ -337,6 +340,8 @@ class TraceRules:
     fix_outputs: Callable[[Any, tuple, dict, Any], Any] = lambda func, args, kwargs, out: out
     # a context standing in for device-specific kernel choices (e.g. CUDA's fused attention)
     function_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # eager's error where the device has no kernel for an op's dtypes (memplan.cpu_kernels), else None
+    missing_kernel: Callable[[Any, tuple, dict], str | None] = lambda func, args, kwargs: None
 
 
 def _eager_view_strides(old_shape: tuple[int, ...], old_stride: tuple[int, ...],
@@ -477,13 +482,16 @@ class _Recorder(TorchDispatchMode):
         refusal = _EAGER_REFUSALS[func](args, kwargs, inputs) if func in _EAGER_REFUSALS else None
         if refusal:
             raise RuntimeError(f"{func}: {refusal}")
+        missing = self.rules.missing_kernel(func, args, kwargs)
+        if missing:
+            raise NotImplementedError(f"{func}: {missing}")
         self._alias_conversions(inputs)
         written = _written_arguments(func, args, kwargs)
         sparse = any(t.layout is not torch.strided for t in inputs)
         read_storages = dict.fromkeys(self.storages_of(inputs))  # in argument order
         written_storages = self.storages_of(written)
         data_dependent = func in _DATA_DEPENDENT and kwargs.get("output_size") is None
-        if func in _SCRATCH_BY_VALUES:
+        if func in _SCRATCH_BY_VALUES and _SCRATCH_BY_VALUES[func](args):
             self.approximate.append(str(func))
         indexed, mask_bytes = self._masks_as_indices(func, args) if func in _MASK_INDEXED else (args, 0)
         if func is torch.ops.aten.split_with_sizes.default:
