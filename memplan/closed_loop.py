@@ -15,10 +15,16 @@ with the plan applied, says so for the plan returned. So a planner
 A planner says how to solve at a setting, how to re-estimate a plan and how to tighten a setting; which
 of the plans re-estimated it returns is its own choice. Each plan is re-estimated once: `realised`
 keeps every one by its segments, in the order first seen.
+
+The planners leave out the modules they know to be unsafe to recompute (memplan.planner.unsafe_reason).
+One they do not know of, whose recomputation fails the estimator (a forward that reads global state and
+recomputes other shapes), ends a planner's search (`EstimateCache.realise_checked` raises
+Unrecomputable); `refusing_failures` then plans again without it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
@@ -31,6 +37,7 @@ from memplan.trace import Trace
 from memplan.workload import Workload
 
 S = TypeVar("S")  # a solver's own record of a solution, carried to the planner's result
+R = TypeVar("R")
 
 Setting = tuple[int, ...]  # what the solver is asked to fit, as the planner defines it
 
@@ -233,3 +240,46 @@ class EstimateCache:
             self.planned[key] = estimate_and_trace(workload, config, device, gpu=gpu,
                                                    transform=lambda m: apply_plan(m, plan))
         return self.planned[key]
+
+    def realise_checked(self, workload: Workload, config: StepConfig, device: str, plan: Plan,
+                        gpu: str | None = None) -> tuple[Estimate, Trace]:
+        """`realise`, raising Unrecomputable where the estimator fails on the planned model: with the
+        modules of each segment whose recomputation alone fails it, or of every segment where none does."""
+        try:
+            return self.realise(workload, config, device, plan, gpu)
+        except Exception as error:
+            failing: dict[str, str] = {}
+            for segment in plan.segments if len(plan.segments) > 1 else ():
+                try:
+                    self.realise(workload, config, device, replace(plan, segments=(segment,)), gpu)
+                except Exception as alone:  # noqa: BLE001 - whatever failed the plan, failing alone
+                    failing.update(dict.fromkeys(segment.modules, _one_line(alone)))
+            raise Unrecomputable(failing or {m: _one_line(error) for s in plan.segments for m in s.modules}) from error
+
+
+class Unrecomputable(Exception):
+    """The estimator failed on a planned model: these modules' recomputation (path -> the error) fails it."""
+
+    def __init__(self, modules: dict[str, str]) -> None:
+        super().__init__(", ".join(f"{path}: {error}" for path, error in modules.items()))
+        self.modules = modules
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def refusing_failures(plan: Callable[[dict[str, str], float | None], R], time_limit_s: float | None) -> R:
+    """`plan(refused, time left)`, and again with the modules of each Unrecomputable it raises refused as
+    well (path -> error, for memplan.planner.unsafe_reason), until it returns; each rerun refuses at
+    least one more module, so it ends. The reruns share the time limit."""
+    started = time.perf_counter()
+    refused: dict[str, str] = {}
+    while True:
+        left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - started))
+        try:
+            return plan(dict(refused), left)
+        except Unrecomputable as failure:
+            if failure.modules.keys() <= refused.keys():  # refused already, and failing still: not ours to mend
+                raise failure.__cause__ or failure from None
+            refused.update(failure.modules)

@@ -19,11 +19,19 @@ from __future__ import annotations
 import random
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
 
-from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, Replays, verified_search
+from memplan.closed_loop import (
+    Candidate,
+    ClosedLoop,
+    EstimateCache,
+    Outcome,
+    Replays,
+    refusing_failures,
+    verified_search,
+)
 from memplan.devices import DeviceModel, device_model
 from memplan.estimate import Estimate, eager_events, estimate, in_place_sums, opened_workspace
 from memplan.plan import Plan, Segment
@@ -59,12 +67,13 @@ def candidate_blocks(
     block_bytes: Callable[[int], int] = lambda n: n,
     seconds_of: Callable[[Op], float] = lambda op: 0.0,
     writers: dict[int, list[int]] | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> Candidates:
     """The chain of blocks to choose from, in forward order: the outermost children of nn.Sequential /
     nn.ModuleList containers (blocks called in a loop), and the model's direct children that hold none.
     Cost-model numbers come from the first forward of the trace; `seconds_of(op)` times
     one op's recomputation (memplan.timing: the target's time model), summed over the block. `writers`:
-    in_place_writers(trace), where the caller has it already."""
+    in_place_writers(trace), where the caller has it already; `refused`: see unsafe_reason."""
     first_forward = [c for c in trace.calls if c.phase == "forward" and c.step == 0]
     calls_per_path = forward_calls_per_path(trace)
     seen: set[str] = set()
@@ -100,7 +109,7 @@ def candidate_blocks(
         if calls_per_path[call.path] > forward_passes(trace):
             excluded.append(Excluded(call.path, "called more than once per forward"))
             continue
-        reason = unsafe_reason(trace, writers, call, forward_end)
+        reason = unsafe_reason(trace, writers, call, forward_end, refused=refused)
         if reason:
             excluded.append(Excluded(call.path, reason))
             continue
@@ -130,12 +139,13 @@ def nested_candidates(
     block_bytes: Callable[[int], int] = lambda n: n,
     seconds_of: Callable[[Op], float] = lambda op: 0.0,
     writers: dict[int, list[int]] | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> NestedCandidates:
     """Submodules at any depth: a module, or a run of consecutive siblings that their parent chains as
     `x = block(x)` (see joins_run), may be one segment, on the same safety rules as `candidate_blocks`.
     The first forward's module calls nest by their op ranges; the leaves of that tree, plus each module's
     own ops outside its children, become the chain the solver sees. `writers`: in_place_writers(trace), where the
-    caller has it already."""
+    caller has it already; `refused`: see unsafe_reason."""
     root = min(
         (c for c in trace.calls if c.path == "" and c.phase == "forward" and c.step == 0),
         key=lambda c: c.first_op,
@@ -151,7 +161,7 @@ def nested_candidates(
         key=lambda c: c.opened,
     )
     writers = in_place_writers(trace) if writers is None else writers
-    unsafe = {c.path: unsafe_reason(trace, writers, c, root.end_op) for c in inside}
+    unsafe = {c.path: unsafe_reason(trace, writers, c, root.end_op, refused=refused) for c in inside}
 
     def activation_bytes(storages) -> int:
         return _activation_bytes(trace, storages, block_bytes)
@@ -206,7 +216,7 @@ def nested_candidates(
         if call.path and not unsafe[call.path]:
             add_span(first, last, call, call, (call.path,))
         for start, end in chained_runs(children):
-            if not unsafe_reason(trace, writers, children[start], root.end_op, children[end]):
+            if not unsafe_reason(trace, writers, children[start], root.end_op, children[end], refused):
                 paths = tuple(c.path for c in children[start : end + 1])
                 add_span(ranges[start][0], ranges[end][1], children[start], children[end], paths)
         return first, last
@@ -264,10 +274,12 @@ UNSAFE_TO_RECOMPUTE = {
 
 
 def unsafe_reason(
-    trace: Trace, writers: dict[int, list[int]], call: ModuleCall, forward_end: int, last: ModuleCall | None = None
+    trace: Trace, writers: dict[int, list[int]], call: ModuleCall, forward_end: int, last: ModuleCall | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> str:
     """Why recomputing this call (or the run from it to `last`) is unsafe ("" when it is safe); `writers`
-    is in_place_writers(trace)."""
+    is in_place_writers(trace); `refused`: modules whose recomputation failed the estimator (path -> its
+    error; see memplan.closed_loop.Unrecomputable)."""
     if ".parametrizations." in f".{call.path}.":
         return "a parametrization (torch.nn.utils.parametrize) runs when its weight is read, not as a block"
     if _mutated_after(trace, writers, call, forward_end, last):
@@ -279,6 +291,9 @@ def unsafe_reason(
     if unsafe is not None:
         return UNSAFE_TO_RECOMPUTE[unsafe]
     members = _members(trace, call, last)
+    failed = _within(refused or {}, members)
+    if failed is not None:
+        return f"recomputing {failed} failed the estimate ({refused[failed]})"
     rerun = _within(trace.rerun_in_backward, members)
     if rerun is not None:
         return f"{rerun or 'the model'} runs again in backward: the model checkpoints it itself"
@@ -560,19 +575,31 @@ def plan_checkpoints(
     bisecting and searches no further (the plan found is still checked); None: no limit. `cache`: the
     estimator runs, shared with the caller (memplan.selective plans beside this planner).
     `worth_checking(plan)`, on the plan the replays found cheapest: False (the caller already has a plan
-    that costs no more) ends the search there, and the result is that plan as replayed, unchecked."""
+    that costs no more) ends the search there, and the result is that plan as replayed, unchecked.
+    Modules whose recomputation fails the estimator are left out (memplan.closed_loop.refusing_failures)."""
+    cache = cache or EstimateCache()
+    return refusing_failures(
+        lambda refused, left: _plan_checkpoints(workload, config, budget_bytes, device, method, gpu, processor, left,
+                                                cache, worth_checking, refused),
+        time_limit_s)
+
+
+def _plan_checkpoints(
+    workload: Workload, config: StepConfig, budget_bytes: int, device: str, method: str, gpu: str | None,
+    processor: str | TimeModel | None, time_limit_s: float | None, cache: EstimateCache,
+    worth_checking: Callable[[Plan], bool], refused: dict[str, str],
+) -> PlanResult:
     started = time.perf_counter()
 
     def in_time() -> bool:
         return time_limit_s is None or time.perf_counter() - started < time_limit_s
 
-    cache = cache or EstimateCache()
     unplanned, trace = cache.estimate(workload, config, device, gpu)
     clock = time_model_for(device, gpu if processor is None else processor, config.precision)
 
     def re_estimate(draft: Plan) -> tuple[Plan, Estimate]:
         """The estimator's peak and FLOPs, and the time model's seconds on its trace (as plan_selective's)."""
-        planned, planned_trace = cache.realise(workload, config, device, draft, gpu)
+        planned, planned_trace = cache.realise_checked(workload, config, device, draft, gpu)
         seconds = max(0.0, recompute_seconds(trace, planned_trace, draft, clock))
         return _re_estimated(replace(draft, recompute_seconds=seconds), unplanned, planned)
 
@@ -580,7 +607,7 @@ def plan_checkpoints(
     block_bytes = allocator.block_bytes
     seconds_of = partial(op_seconds, trace=trace, model=clock)
     writers = in_place_writers(trace)
-    candidates = candidate_blocks(trace, block_bytes, seconds_of, writers)
+    candidates = candidate_blocks(trace, block_bytes, seconds_of, writers, refused)
 
     def chain(budget: int) -> ChainProblem:
         """The outermost blocks, as the baselines checkpoint them."""
@@ -589,7 +616,7 @@ def plan_checkpoints(
 
     problem_at = chain
     if method in EXACT_METHODS:
-        nested = nested_candidates(trace, block_bytes, seconds_of, writers)
+        nested = nested_candidates(trace, block_bytes, seconds_of, writers, refused)
         nested_fixed = max(0, unplanned.peak_bytes - sum(b.saved_bytes for b in nested.leaves))
 
         def problem_at(budget: int) -> ChainProblem:

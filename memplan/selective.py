@@ -62,12 +62,21 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, Replays, Setting, verified_search
+from memplan.closed_loop import (
+    Candidate,
+    ClosedLoop,
+    EstimateCache,
+    Outcome,
+    Replays,
+    Setting,
+    refusing_failures,
+    verified_search,
+)
 from memplan.devices import device_model
 from memplan.errors import BadInput
 from memplan.estimate import Estimate
@@ -396,17 +405,19 @@ class _Safety:
     forward_end: int
     passes: int
     calls_per_path: dict[str, int]
+    refused: Mapping[str, str]  # see memplan.planner.unsafe_reason
 
     @classmethod
-    def of(cls, trace: Trace) -> _Safety:
+    def of(cls, trace: Trace, refused: Mapping[str, str]) -> _Safety:
         forward_end = max((c.end_op for c in trace.calls if c.phase == "forward" and c.step == 0), default=0)
-        return cls(trace, in_place_writers(trace), forward_end, forward_passes(trace), forward_calls_per_path(trace))
+        return cls(trace, in_place_writers(trace), forward_end, forward_passes(trace), forward_calls_per_path(trace),
+                   refused)
 
     def once(self, call: ModuleCall) -> bool:
         return self.calls_per_path[call.path] <= self.passes
 
     def allows(self, head: ModuleCall, last: ModuleCall | None = None) -> bool:
-        return not unsafe_reason(self.trace, self.writers, head, self.forward_end, last)
+        return not unsafe_reason(self.trace, self.writers, head, self.forward_end, last, self.refused)
 
 
 def _child_calls(trace: Trace, call: ModuleCall) -> list[ModuleCall]:
@@ -734,12 +745,14 @@ def _segments(solution: SelectiveSolution) -> tuple[Segment, ...]:
 
 
 def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str = "seconds",
-                   peak_event: int | None = None, autocast: bool = False) -> tuple[Candidates, tuple[BlockProfile, ...]]:
+                   peak_event: int | None = None, autocast: bool = False,
+                   refused: Mapping[str, str] | None = None) -> tuple[Candidates, tuple[BlockProfile, ...]]:
     """The candidate blocks with their policies and sub-blocks. `peak_event`: the unplanned peak's index in
     trace.events; the gradients allocated by then are in the fixed bytes already, so the units last in
-    the chain (first in backward) allocate that much less. `autocast`: as profile_block's."""
+    the chain (first in backward) allocate that much less. `autocast`: as profile_block's. `refused`:
+    see memplan.planner.unsafe_reason."""
     block_bytes = device_model(device).block_bytes
-    candidates = candidate_blocks(trace, block_bytes)
+    candidates = candidate_blocks(trace, block_bytes, refused=refused)
     state = RNG_STATE_BYTES if device == "cpu" else 0  # a CUDA step's generator states are host memory
 
     def profile(path: str, group: str, **kwargs) -> BlockProfile:
@@ -747,7 +760,7 @@ def profile_blocks(trace: Trace, device: str, clock: TimeModel, objective: str =
                              checkpoint_state_bytes=state, **kwargs)
 
     unique = list({b.path: b for b in candidates.blocks}.values())  # a path listed twice is one block
-    safety = _Safety.of(trace)
+    safety = _Safety.of(trace, refused or {})
     activations = frozenset(sid for sid, s in trace.storages.items() if s.role == "activations")
     profiles = []
     for b in unique:
@@ -908,17 +921,30 @@ def plan_selective(
     (memplan.planner.plan_checkpoints, in the time left), whose candidates (modules at any depth) the
     selective chain does not all have. `time_limit_s`: once past it, the closed loop stops at the first
     plan that fits (or when it gives up), skipping the block-level loop, the bisection, the default
-    baseline (unless no plan fits) and the optimality bound; None: no limit."""
+    baseline (unless no plan fits) and the optimality bound; None: no limit. Modules whose recomputation
+    fails the estimator are left out (memplan.closed_loop.refusing_failures)."""
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
-    started = time.perf_counter()
     cache = cache or EstimateCache()
+    return refusing_failures(
+        lambda refused, left: _plan_selective(workload, config, budget_bytes, device, objective, processor, cache,
+                                              baselines, left, refused),
+        time_limit_s)
+
+
+def _plan_selective(
+    workload: Workload, config: StepConfig, budget_bytes: int, device: str, objective: str,
+    processor: str | TimeModel | None, cache: EstimateCache, baselines: Sequence[Plan] | None,
+    time_limit_s: float | None, refused: dict[str, str],
+) -> SelectiveResult:
+    started = time.perf_counter()
     clock = time_model_for(device, processor, config.precision)
     gpu = gpu_named(device, processor)
     unplanned, trace = cache.estimate(workload, config, device, gpu)
     peak_event = unplanned.simulation.peak_event if unplanned.simulation is not None else None
     candidates, blocks = profile_blocks(trace, device, clock, objective, peak_event,
-                                        autocast=precision_rule(config.precision).autocast_dtype is not None)
+                                        autocast=precision_rule(config.precision).autocast_dtype is not None,
+                                        refused=refused)
     fixed = max(0, unplanned.peak_bytes - sum(b.activation_bytes for b in blocks))
     forward_peak = unplanned.phase_peaks.get("forward")
     forward_fixed = None if forward_peak is None else max(0, forward_peak - sum(b.activation_bytes for b in blocks))
@@ -937,7 +963,7 @@ def plan_selective(
     def realise(plan: Plan) -> tuple[Plan, Estimate]:
         """The estimator on the planned model: the truth every plan returned is judged by."""
         if plan.segments not in estimated:
-            planned, planned_trace = cache.realise(workload, config, device, plan, gpu)
+            planned, planned_trace = cache.realise_checked(workload, config, device, plan, gpu)
             residues.update(_forward_residues(planned_trace, plan, block_bytes, modelled))
             seconds = max(0.0, recompute_seconds(trace, planned_trace, plan, clock))
             estimated[plan.segments] = (replace(

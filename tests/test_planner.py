@@ -892,6 +892,45 @@ def test_blocks_the_model_checkpoints_itself_are_left_out():
                    for s in plan_selective(workload, CONFIG, unplanned // 2, device="cpu").plan.segments)
 
 
+_CALLS: list[None] = []  # _CountsItsCalls's global state
+
+
+class _CountsItsCalls(_Residual):
+    """Reads a count kept outside the model, which no rule of the planners sees: recomputed in backward,
+    it counts one more and saves a softmax of another width, which torch.utils.checkpoint refuses."""
+
+    def forward(self, x):
+        _CALLS.append(None)
+        h = super().forward(x)
+        width = 8 if len(_CALLS) % 2 else 4
+        return h + h[..., :width].softmax(-1).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("planner", ["checkpoints", "selective"])
+def test_a_block_whose_recomputation_fails_the_estimate_is_left_out_and_the_rest_planned(planner):
+    """Both planners stopped with the estimator's error on the first plan that recomputed such a block.
+    Now the block is refused, with that error as the reason, and the plan found without it is measured
+    at its predicted peak with eager's gradients."""
+    from memplan.selective import plan_selective
+
+    workload = Workload("counts", lambda batch_size=8: (nn.Sequential(_Residual(), _CountsItsCalls(), _Residual(),
+                                                                      _Residual()), (torch.randn(batch_size, 16, 32),)),
+                        None, {})
+    budget = estimate(workload, CONFIG, device="cpu").peak_bytes * 6 // 10
+    if planner == "checkpoints":
+        result = plan_checkpoints(workload, CONFIG, budget, device="cpu")
+        reasons = {e.path: e.reason for e in result.candidates.excluded}
+    else:
+        result = plan_selective(workload, CONFIG, budget, device="cpu")
+        reasons = {path: reason for path, _, reason in result.exclusions} | {
+            e.path: e.reason for e in result.candidates.excluded}
+    assert reasons["1"].startswith("recomputing 1 failed the estimate (CheckpointError"), reasons
+    plan = result.plan
+    assert plan.segments and not any("1" in s.modules for s in plan.segments)
+    assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes == plan.predicted_peak_bytes
+    assert gradients_equal(workload, plan)
+
+
 def test_recomputation_is_traced_with_the_tracers_function_modes():
     """A Linear over a non-contiguous 3-d input adds its bias in place (trace._InPlaceScopes, a
     TorchFunctionMode). `loss.backward()` passes through the modes' handlers, which switch them off, so
