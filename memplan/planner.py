@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import time
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
@@ -144,8 +145,10 @@ def nested_candidates(
     """Submodules at any depth: a module, or a run of consecutive siblings that their parent chains as
     `x = block(x)` (see joins_run), may be one segment, on the same safety rules as `candidate_blocks`.
     The first forward's module calls nest by their op ranges; the leaves of that tree, plus each module's
-    own ops outside its children, become the chain the solver sees. `writers`: in_place_writers(trace), where the
-    caller has it already; `refused`: see unsafe_reason."""
+    own ops outside its children, become the chain the solver sees. A module called more than once per
+    forward (a siamese network's shared encoder, ALBERT's shared layer) has a span at each call, safe
+    only where every call is; a plan checkpoints it at every call (see plan_segments). `writers`:
+    in_place_writers(trace), where the caller has it already; `refused`: see unsafe_reason."""
     root = min(
         (c for c in trace.calls if c.path == "" and c.phase == "forward" and c.step == 0),
         key=lambda c: c.first_op,
@@ -157,11 +160,16 @@ def nested_candidates(
     calls_per_path = forward_calls_per_path(trace)
     inside = sorted(
         (c for c in trace.calls if c.phase == "forward" and c.step == 0 and c.path
-         and root.opened < c.opened and c.closed < root.closed and calls_per_path[c.path] <= passes),
+         and root.opened < c.opened and c.closed < root.closed),
         key=lambda c: c.opened,
     )
     writers = in_place_writers(trace) if writers is None else writers
-    unsafe = {c.path: unsafe_reason(trace, writers, c, root.end_op, refused=refused) for c in inside}
+    unsafe: dict[str, str] = {}
+    for c in inside:
+        unsafe[c.path] = unsafe.get(c.path) or unsafe_reason(trace, writers, c, root.end_op, refused=refused)
+
+    def once(call: ModuleCall) -> bool:  # a run's members are called once (emit's runs pass outputs on by call)
+        return calls_per_path[call.path] <= passes
 
     def activation_bytes(storages) -> int:
         return _activation_bytes(trace, storages, block_bytes)
@@ -176,6 +184,11 @@ def nested_candidates(
 
     leaves: list[Block] = []
     spans: dict[tuple[int, int], Span] = {}
+    labels: Counter[str] = Counter()  # a leaf of a module called again is labelled by its call: "path #2"
+
+    def label(name: str) -> str:
+        labels[name] += 1
+        return name if labels[name] == 1 else f"{name} #{labels[name]}"
 
     def add_span(first: int, last: int, head: ModuleCall, tail: ModuleCall, paths: tuple[str, ...]) -> None:
         """The segment of modules `paths`, called from `head` to `tail` (leaves first..last). It frees what its ops allocate for backward
@@ -211,11 +224,11 @@ def nested_candidates(
         own = [op for op in trace.ops[call.first_op : call.end_op] if op.index not in covered]
         saved, flops, seconds = saved_and_cost(own)
         if call.path and (not children or saved or flops):
-            leaves.append(Block(f"{call.path} (own ops)" if children else call.path, 0, saved, flops, seconds))
+            leaves.append(Block(label(f"{call.path} (own ops)" if children else call.path), 0, saved, flops, seconds))
         last = len(leaves) - 1
         if call.path and not unsafe[call.path]:
             add_span(first, last, call, call, (call.path,))
-        for start, end in chained_runs(children):
+        for start, end in chained_runs(children, once):
             if not unsafe_reason(trace, writers, children[start], root.end_op, children[end], refused):
                 paths = tuple(c.path for c in children[start : end + 1])
                 add_span(ranges[start][0], ranges[end][1], children[start], children[end], paths)
@@ -705,6 +718,16 @@ def _solve(method: str, problem: ChainProblem) -> Solution:
     return SOLVERS[method](problem)
 
 
+def plan_segments(chosen: Sequence[tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
+    """The solver's spans as a plan checkpoints them, by module: a module called more than once per forward
+    is checkpointed at every call, so a span at one of its calls takes in the others (one segment for
+    all), and one inside a module checkpointed already goes (recomputed with it)."""
+    unique = list(dict.fromkeys(tuple(paths) for paths in chosen))
+    outer = {path for paths in unique for path in paths}
+    return tuple(paths for paths in unique
+                 if not any(path.startswith(other + ".") for path in paths for other in outer))
+
+
 def _draft(
     workload: Workload, config: StepConfig, device: str, solution: Solution, budget_bytes: int, unplanned: Estimate
 ) -> Plan:
@@ -717,7 +740,7 @@ def _draft(
         grad_accum=config.grad_accum,
         device=device,
         method=solution.method,
-        segments=tuple(Segment(tuple(paths)) for paths in solution.segments),
+        segments=tuple(Segment(paths) for paths in plan_segments(solution.segments)),
         feasible=False,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=0,

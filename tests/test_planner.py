@@ -892,6 +892,46 @@ def test_blocks_the_model_checkpoints_itself_are_left_out():
                    for s in plan_selective(workload, CONFIG, unplanned // 2, device="cpu").plan.segments)
 
 
+class _Siamese(nn.Module):
+    """Two views through one encoder, as a contrastive model's shared tower: every module in it is called
+    twice per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(*(_Residual() for _ in range(4)))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, a, b):
+        return self.head(self.encoder(a) * self.encoder(b))
+
+
+class _SharedLayer(nn.Module):
+    """One layer applied four times, as ALBERT's shared layer or a universal transformer's."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.layer = nn.Linear(32, 32), _Residual()
+
+    def forward(self, x):
+        x = self.embed(x)
+        for _ in range(4):
+            x = self.layer(x)
+        return x
+
+
+@pytest.mark.parametrize("net, inputs", [(_Siamese, 2), (_SharedLayer, 1)])
+def test_modules_called_more_than_once_are_checkpointed_at_every_call(net, inputs):
+    """They were left out, which left a siamese network no candidate at all. A plan checkpoints such a
+    module at every call; it fits as measured, with eager's gradients."""
+    workload = Workload(net.__name__, lambda batch_size=8: (net(), tuple(torch.randn(batch_size, 16, 32)
+                                                                      for _ in range(inputs))), None, {})
+    budget = estimate(workload, CONFIG, device="cpu").peak_bytes * 6 // 10
+    plan = plan_checkpoints(workload, CONFIG, budget, device="cpu").plan
+    assert plan.feasible and plan.segments
+    assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes == plan.predicted_peak_bytes
+    assert gradients_equal(workload, plan)
+
+
 _CALLS: list[None] = []  # _CountsItsCalls's global state
 
 
