@@ -139,6 +139,33 @@ def _pack_padded_sequence_outputs(input: torch.Tensor, lengths: torch.Tensor, ba
     return (input.new_empty((sum(lengths_of), *input.shape[2:])), batch_sizes), values is not None
 
 
+def _lstsq_outputs(input: torch.Tensor, other: torch.Tensor, rcond: float | None = None, *, driver: str | None = None,
+                   known: Callable[[Any], Any]) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """aten.linalg_lstsq: (solution, residuals, rank, singular_values) as BatchLinearAlgebra.cpp's
+    linalg_lstsq_out_info allocates them. The solution is LAPACK's working copy of `other`, batched
+    column-major with max(m, n) rows, narrowed to its first n (the rows below hold the raw
+    residuals). residuals (*, nrhs), summed from those rows, exist only where m > n and the driver is
+    not gelsy (the CPU default; gels is CUDA's): gelsd and gelss compute them only when every matrix
+    has full rank n, a value no one knows while tracing: assumed, as almost every real matrix has it,
+    and said approximate. rank (*) is set by all drivers but gels, singular_values (*, min(m, n)) by
+    gelsd and gelss; each is (0,) otherwise."""
+    driver = (driver or ("gels" if input.device.type == "cuda" else "gelsy")).lower()
+    vector = other.dim() == 1 or (other.dim() == input.dim() - 1 and other.shape == input.shape[:-1])
+    other_2d = other.unsqueeze(-1) if vector else other
+    m, n, nrhs = input.shape[-2], input.shape[-1], other_2d.shape[-1]
+    batch = tuple(torch.broadcast_shapes(input.shape[:-2], other_2d.shape[:-2]))
+    real = input.real.dtype if input.is_complex() else input.dtype
+    if vector:
+        solution = input.new_empty((*batch, max(m, n))).narrow(-1, 0, n)
+    else:
+        solution = input.new_empty((*batch, nrhs, max(m, n))).transpose(-2, -1).narrow(-2, 0, n)
+    with_residuals = m > n and driver != "gelsy"
+    residuals = input.new_empty((*batch, nrhs) if with_residuals else (0,), dtype=real)
+    rank = input.new_empty(input.shape[:-2] if driver != "gels" else (0,), dtype=torch.long)
+    singular = input.new_empty((*input.shape[:-2], min(m, n)) if driver in ("gelsd", "gelss") else (0,), dtype=real)
+    return (solution, residuals, rank, singular), not (with_residuals and driver in ("gelsd", "gelss"))
+
+
 # Ops whose fake kernel refuses to run (DynamicOutputShapeException, or checks of another device's
 # kernel) but whose output shapes the arguments give exactly or bound: (args, kwargs, known=the real
 # value of a tensor argument, None where unknown) -> ((outputs), exact). Not exact: the estimate says
@@ -148,6 +175,7 @@ _SHAPE_FROM_ARGUMENTS: dict[Any, Callable[..., tuple[Any, bool]]] = {
     torch.ops.aten._ctc_loss.Tensor: _ctc_loss_outputs,
     torch.ops.aten._grouped_mm.default: _grouped_mm_outputs,
     torch.ops.aten._pack_padded_sequence.default: _pack_padded_sequence_outputs,
+    torch.ops.aten.linalg_lstsq.default: _lstsq_outputs,
 }
 # Writes to its `found_inf` argument: reading it back (GradScaler) must say "no overflow".
 _FOUND_INF_WRITERS = {torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default}
@@ -404,6 +432,7 @@ class _Recorder(TorchDispatchMode):
         # unknown bool tensors that test floating-point values (isnan, var < 0), and whole-tensor tests of
         # them: any() -> False (see _note_value_test)
         self.value_tests: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.extremes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # unknown min() and max(): their op
         # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
@@ -476,8 +505,7 @@ class _Recorder(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._scalar(args[0])
         if func is torch.ops.aten.equal.default:  # eager compares in place, allocating nothing
-            known = self.known.compute(func, args, kwargs, [])
-            return known if known is not None else args[0].shape == args[1].shape  # unknown: as checks expect
+            return self._equal(*args)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         refusal = _EAGER_REFUSALS[func](args, kwargs, inputs) if func in _EAGER_REFUSALS else None
         if refusal:
@@ -514,6 +542,8 @@ class _Recorder(TorchDispatchMode):
             raise NotImplementedError(f"{func} with sparse tensors is not modelled")
         if not (data_dependent or sparse or sparse_out):  # (the sparse table keeps what is known of its parts)
             self.known.run(func, args, kwargs, flat_out, written)
+        if func in _EXTREMES and isinstance(out, FakeTensor) and out.is_floating_point() and out not in self.known:
+            self.extremes[out] = func
         if isinstance(out, FakeTensor) and out.dtype == torch.bool and out not in self.known:
             self._note_value_test(func, inputs, out)
         if func in _FOUND_INF_WRITERS:
@@ -609,14 +639,30 @@ class _Recorder(TorchDispatchMode):
         such tests), and `any()` over one: read back, such an `any()` is typically false, as a validity
         check (`if torch.any(var < 0): raise`, F.gaussian_nll_loss's; `assert not loss.isnan().any()`)
         finds in a real step. A test of integer values (`(top_k == expert).any()`: does work follow?)
-        still reads true, the larger case."""
+        still reads true, the larger case. A whole tensor's extreme tested against a bound
+        (`_ANY_OF_EXTREMES`: `x.min() < eps` is `(x < eps).any()`) reads as such an `any()`."""
         packet = func._overloadpacket
         if packet in _VALUE_TESTS:
             tested = any(t.is_floating_point() or t.is_complex() for t in inputs)
         else:
             tested = packet in _TEST_COMBINATIONS and any(t in self.value_tests for t in inputs)
         if tested:
-            self.value_tests[out] = packet is torch.ops.aten.any and out.numel() == 1
+            extreme = self.extremes.get(inputs[0]) if inputs else None
+            self.value_tests[out] = out.numel() == 1 and (packet is torch.ops.aten.any
+                                                          or (extreme, packet) in _ANY_OF_EXTREMES)
+
+    def _equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """aten.equal: exact from known values. Over unknown ones, true where the shapes are equal (as
+        checks expect), but single flags compare as `.item()` reads them: C++'s checks test a flag with
+        `at::is_scalar_tensor_true(flag)`, `equal(flag, flag.new_ones({}))` (torch.istft's window
+        check, `window_envelop.abs().min().lt(1e-11)`, passes in any step that runs; read true, the
+        check failed and its message printed the fake flag's data)."""
+        known = self.known.compute(torch.ops.aten.equal.default, (a, b), {}, [])
+        if known is not None:
+            return known
+        if a.shape != b.shape or a.numel() != 1 or a.dtype != torch.bool or b.dtype != torch.bool:
+            return a.shape == b.shape
+        return self._scalar(a) == self._scalar(b)
 
     def _scalar(self, tensor: torch.Tensor) -> Any:
         # A known value reads as itself. Any other data-dependent scalar: GradScaler's overflow flag
@@ -733,6 +779,11 @@ _VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
 _TEST_COMBINATIONS = {getattr(torch.ops.aten, name) for name in (
     "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
     "any", "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
+# Reductions of a whole tensor to its extreme, and the tests of one that are tests of every element
+# (`x.min() < eps` is `(x < eps).any()`); the others (`x.min() > eps`, an all()) read true already
+_EXTREMES = {torch.ops.aten.min.default, torch.ops.aten.max.default}
+_ANY_OF_EXTREMES = {(torch.ops.aten.min.default, torch.ops.aten.lt), (torch.ops.aten.min.default, torch.ops.aten.le),
+                    (torch.ops.aten.max.default, torch.ops.aten.gt), (torch.ops.aten.max.default, torch.ops.aten.ge)}
 
 
 def _mixed_dtypes(args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
