@@ -264,6 +264,15 @@ for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator
     scratch_rule("cpu", _op)(_probe(_op))
 
 
+@scratch_rule("cpu", aten.unfold_backward.default)
+def _unfold_backward(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/UnfoldBackward.cpp: overlapping windows (step < size, torch.istft's overlap-add)
+    are summed through an int64 index over the positions the windows cover; apart, they are copied in."""
+    _, input_sizes, dim, size, step = args[:5]
+    windows = (input_sizes[dim] - size) // step + 1
+    return 0 if step >= size else 8 * ((windows - 1) * step + size)
+
+
 def _probe_unless_contiguous(func: Any) -> ScratchFormula:
     """Pooling kernels, forward and backward (aten/src/ATen/native/cpu/MaxPoolKernel.cpp,
     AvgPoolKernel.cpp, AdaptiveMaxPoolKernel.cpp), pixel and channel shuffles and the reflection and

@@ -32,6 +32,7 @@ from unittest import mock
 import networkx as nx
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -1153,9 +1154,20 @@ def _one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     return out.scatter_(-1, tensor.unsqueeze(-1), 1)
 
 
+def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
+              blank: int = 0, reduction: str = "mean", zero_infinity: bool = False) -> torch.Tensor:
+    """LossCTC.cpp ctc_loss with the lengths as lists and reduction "mean": `at::tensor(target_lengths)`
+    fills the lengths' tensor through its data pointer. The same ops, the tensor made from Python."""
+    if reduction != "mean" or isinstance(target_lengths, torch.Tensor):
+        return F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+    losses = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, "none", zero_infinity)
+    lengths = torch.tensor(list(target_lengths), dtype=torch.long, device=losses.device).clamp_min(1)
+    return (losses / lengths).mean()
+
+
 _REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence,
                         torch.allclose: _allclose, torch.Tensor.allclose: _allclose,
-                        torch.nn.functional.one_hot: _one_hot}
+                        torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss}
 
 
 class _Rewrites(torch.overrides.TorchFunctionMode):

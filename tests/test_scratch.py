@@ -415,3 +415,11 @@ def test_lstm_layer(dtype):
         fake_args = (*fake[:7], out, h, c, torch.randn_like(out), torch.randn_like(h), torch.randn_like(c), False,
                      2, hidden, 1, True, True, False, [], False, ws)
         assert RULE(backward, fake_args, {}, backward(*fake_args)) == measured > 0
+
+
+@pytest.mark.parametrize("shape, dim, size, step", [((1000,), 0, 64, 16), ((2, 100, 3), 1, 10, 3), ((100,), 0, 7, 7),
+                                                    ((100,), 0, 4, 6), ((8, 64), 1, 64, 1)])
+def test_unfold_backward(shape, dim, size, step):
+    """Overlapping windows (istft's overlap-add) sum through an index over what they cover; apart, none."""
+    grad = torch.randn(shape).unfold(dim, size, step).contiguous()
+    check(aten.unfold_backward.default, lambda: (grad.clone(), list(shape), dim, size, step))
