@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -1896,6 +1896,27 @@ def _fake_parameters_swap(*tables: Any) -> Iterator[None]:
         torch.utils.swap_tensors = original
 
 
+class _StorageKeepingFakeMode(FakeTensorMode):
+    """FakeTensorMode whose dispatch cache passes over outputs it would rebuild with another storage. A hit
+    makes a non-view op's output anew with `empty_strided` (the bytes its strides need, from offset 0),
+    so an output cut from a larger buffer (torch.hann_window's 65 samples narrowed to 64) came out
+    smaller on every call after the first in a process: the cache is the class's, shared by every trace."""
+
+    def _validate_output_for_cache_entry(self, state: Any, key: Any, func: Any, args: Any, kwargs: Any,
+                                         output: Any) -> None:
+        super()._validate_output_for_cache_entry(state, key, func, args, kwargs, output)
+        if isinstance(output, FakeTensor) and not getattr(func, "is_view", False) and output.layout is torch.strided \
+                and (output.storage_offset() or output.untyped_storage().nbytes() != _dense_extent(output)):
+            raise _BypassDispatchCache("a storage larger than its output")
+
+
+def _dense_extent(tensor: torch.Tensor) -> int:
+    """The bytes `empty_strided` gives a tensor of this shape and strides."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+
+
 def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = TraceRules(),
                transform: Callable[[nn.Module], nn.Module] | None = None) -> Trace:
     """Run the training step of `config` on `workload` under fake tensors and record it.
@@ -1903,7 +1924,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     recorder = _Recorder(rules)
     calls: list[ModuleCall] = []
     shadows = _ConstantShadows()
-    with model_caches_emptied_after(), FakeTensorMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
+    with model_caches_emptied_after(), _StorageKeepingFakeMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
             _fake_parameters_swap(shadows.values.real, shadows.guessed):
         with shadows:
             model, inputs = workload.build()

@@ -197,6 +197,26 @@ def test_ctc_loss_with_padded_targets():
     assert not predicted.approximate
 
 
+class _Windowed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.window = nn.Parameter(torch.hann_window(64))  # periodic: 65 samples computed, 64 kept
+
+    def forward(self, x):
+        return (self.fc(x) * self.window).square().mean()
+
+
+def test_an_output_cut_from_a_larger_buffer_keeps_its_storage_on_every_trace():
+    """The fake mode's dispatch cache, shared by every trace in a process, rebuilt a cached output with
+    the bytes its strides need: the second estimate of a periodic window came out 4 B short."""
+    workload = Workload("windowed", lambda batch_size=4: (_Windowed(), (torch.randn(batch_size, 64),)), 4, {})
+    config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
+    measured = measure(workload, config, device="cpu")
+    for _ in range(2):
+        assert estimate(workload, config, device="cpu").phase_peaks == measured.phase_peaks
+
+
 def ctc_audio_lengths_as_lists(batch_size: int = 4):
     return ctc_audio(batch_size, targets_2d=False)
 
