@@ -9,6 +9,10 @@ most PROBE_EDGE unless all of them are small; the output sized by the meta kerne
 allocates much), and eager's own refusal, "... not implemented for 'BFloat16'", becomes the trace's.
 Any other error of the probe (a shape the cut made invalid, a value check on zeros) says nothing about
 the dtype and is ignored. The answer is a property of the torch build, kept per op and dtypes.
+Views are never asked (they run no kernel), nor are ops handed state another kernel made (an RNN
+layer's workspace) or an integer equal to a dimension the cut would change (an RNN's hidden size: the
+two would disagree where no meta kernel checks, and oneDNN aborts the process on such arguments), nor,
+by the tracer, backward ops (see trace._Recorder).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ _answers: dict[tuple, str | None] = {}
 def missing_cpu_kernel(func: Any, args: tuple, kwargs: dict) -> str | None:
     """Eager's error where the CPU kernel of aten op `func` does not take these tensors' dtypes, else None."""
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    if (func.namespace != "aten" or not any(t.dtype in PROBED_DTYPES for t in tensors)
+    if (func.namespace != "aten" or func.is_view or _takes_state(func) or not any(t.dtype in PROBED_DTYPES for t in tensors)
             or any(t.layout is not torch.strided or t.device.type != "cpu" for t in tensors)):
         return None
     key = (func, tuple((t.dtype, t.dim()) for t in tensors))
@@ -42,9 +46,19 @@ def missing_cpu_kernel(func: Any, args: tuple, kwargs: dict) -> str | None:
     return _answers[key]
 
 
+def _takes_state(func: Any) -> bool:
+    """An argument made by another kernel for this one (an RNN layer's oneDNN workspace): zeros stand in
+    for no such thing, and oneDNN aborts the process on them."""
+    return any(a.name in ("workspace", "reserve") for a in func._schema.arguments)
+
+
 def _probe(func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> str | None:
     small = sum(t.numel() * t.element_size() for t in tensors) <= SMALL_BYTES
     shapes = {id(t): tuple(t.shape) if small else tuple(min(s, PROBE_EDGE) for s in t.shape) for t in tensors}
+    cut = set() if small else {s for t in tensors for s in t.shape if s > PROBE_EDGE}
+    numbers = {x for x in tree_flatten((args, kwargs))[0] if isinstance(x, int) and not isinstance(x, bool)}
+    if cut & numbers:  # an integer tied to a dimension cut (an RNN's hidden size): the cut would part them
+        return None
 
     def standing_in(device: str) -> tuple[tuple, dict]:
         return tree_map(lambda x: torch.zeros(shapes[id(x)], dtype=x.dtype, device=device)
