@@ -201,7 +201,7 @@ def nested_candidates(
         outputs = {sid for sid, op in made_by.items() if op is not None and head.first_op <= op < tail.end_op}
         kept = {sid for sid in head.inputs if trace.storages[sid].role not in ("weights", "inputs", "activations")}
         span = Span(first, last, sum(block_bytes(trace.storages[sid].nbytes) for sid in kept), paths,
-                    allocated - activation_bytes(outputs))
+                    allocated - activation_bytes(outputs), max(1, calls_per_path[head.path] // passes))
         # segments covering the same units (a wrapper and its only child, a module and the run of all its
         # children): keep the one that frees more; on a tie, one module over a run, the outer over the inner
         if (first, last) not in spans or _preference(spans[(first, last)]) < _preference(span):

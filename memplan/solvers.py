@@ -70,13 +70,16 @@ class Block:
 class Span:
     """A segment the solvers may choose: blocks first..last (inclusive), checkpointed by wrapping the modules
     `paths` (one module, or a run of siblings), keeping `input_bytes` as its boundary. `saved_bytes` is what
-    checkpointing it frees and its recomputation brings back; None: Σ saved_bytes of its blocks."""
+    checkpointing it frees and its recomputation brings back; None: Σ saved_bytes of its blocks. `calls`:
+    how many times per forward its module runs; checkpointed, it is recomputed at every one of them,
+    wherever the solver picks it, so its cost counts that many times (calls alike)."""
 
     first: int
     last: int
     input_bytes: int
     paths: tuple[str, ...]
     saved_bytes: int | None = None
+    calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -185,15 +188,14 @@ def _chain_solution(
 ) -> Solution:
     allowed = {(s.first, s.last): s for s in problem.allowed_spans}
     chosen_spans = [allowed[span] for span in sorted(spans)]
-    chosen = [b for s in chosen_spans for b in problem.blocks[s.first : s.last + 1]]
     peak = problem.fixed_bytes + _activations([b.saved_bytes for b in problem.blocks], chosen_spans)
     return Solution(
         method=method,
         segments=tuple(s.paths for s in chosen_spans),
         feasible=peak <= problem.budget_bytes,
         modelled_peak_bytes=peak,
-        recompute_flops=sum(b.flops for b in chosen),
-        recompute_seconds=sum(b.seconds for b in chosen),
+        recompute_flops=sum(b.flops * s.calls for s in chosen_spans for b in problem.blocks[s.first : s.last + 1]),
+        recompute_seconds=sum(b.seconds * s.calls for s in chosen_spans for b in problem.blocks[s.first : s.last + 1]),
         solve_seconds=time.perf_counter() - started,
         optimality_gap=optimality_gap,
     )
@@ -268,7 +270,7 @@ class _Chain:
         self.ending: list[list[_Span]] = [[] for _ in costs]  # by last block
         self.by_ends: dict[tuple[int, int], _Span] = {}
         for span, saved, held in zip(spans, inside, covered):
-            cost = cost_sums[span.last + 1] - cost_sums[span.first]
+            cost = (cost_sums[span.last + 1] - cost_sums[span.first]) * span.calls
             boundary = span.input_bytes + held - saved
             chain_span = _Span(span.first, span.last, span.input_bytes, boundary, saved, cost, index[saved])
             self.segments[span.first].append(chain_span)
