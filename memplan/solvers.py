@@ -654,7 +654,7 @@ def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
         for span in starting[k]:
             saved = _freed([b.saved_bytes for b in blocks], span)
             held = sum(b.saved_bytes for b in blocks[span.first : span.last + 1]) - saved  # saved inside, not freed
-            extra = sum(costs[span.first : span.last + 1])
+            extra = sum(costs[span.first : span.last + 1]) * span.calls
             visit(span.last + 1, mem + span.input_bytes + held, max(largest, saved), cost + extra, (*spans, (k, span.last)))
 
     visit(0, 0, 0, 0.0, ())

@@ -213,7 +213,8 @@ def random_spans_problem(rng: random.Random, n: int) -> ChainProblem:
     spans = tuple(
         # some spans free less than their blocks save (an output that a later op keeps)
         Span(first, last, rng.randint(1, 40), (f"s{first}-{last}",),
-             rng.choice([None, rng.randint(0, sum(b.saved_bytes for b in blocks[first : last + 1]))]))
+             rng.choice([None, rng.randint(0, sum(b.saved_bytes for b in blocks[first : last + 1]))]),
+             rng.choice([1, 1, 2, 3]))  # a module called 2 or 3 times is recomputed at every call
         for first, last in sorted(ends)
     )
     activations = sum(b.saved_bytes for b in blocks)
@@ -242,7 +243,9 @@ def test_dp_and_milp_on_explicit_spans_match_brute_force():
                        for i in range(span.first, span.last + 1)]
             assert len(covered) == len(set(covered))  # chosen spans never overlap
             assert solution.modelled_peak_bytes == spans_peak(problem, solution.segments)
-            assert solution.recompute_flops == sum(problem.blocks[i].flops for i in covered)
+            calls = {i: span.calls for segment in solution.segments for span in problem.spans if span.paths == segment
+                     for i in range(span.first, span.last + 1)}
+            assert solution.recompute_flops == sum(problem.blocks[i].flops * calls[i] for i in covered)
             assert outcome(solution) == outcome(reference), problem
 
 
