@@ -1651,6 +1651,10 @@ class _ConstantShadows(TorchDispatchMode):
         sparse = any(t.layout is not torch.strided for t in inputs)
         if _by_sparse_table(func, args, kwargs, sparse):
             return _SPARSE_OPS[func](self.sparse, *args, **kwargs)[0]
+        if func in _DATA_DEPENDENT and kwargs.get("output_size") is None:
+            real = self.values.compute(func, args, kwargs, [])
+            if real is not None:  # from known values (timm's RegNet: torch.unique over widths): as the values say
+                return self._made_like(real, inputs[0].device)
         out = func(*args, **kwargs)
         flat_out = tree_flatten(out)[0]
         if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
@@ -1659,6 +1663,14 @@ class _ConstantShadows(TorchDispatchMode):
         if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:
             self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
+
+
+    def _made_like(self, real: Any, device: torch.device) -> Any:
+        """Fake tensors of a data-dependent op's real outputs, their values kept."""
+        reals = [real] if isinstance(real, torch.Tensor) else list(real)
+        fakes = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device) for r in reals]
+        self.values.keep(fakes, reals)
+        return fakes[0] if isinstance(real, torch.Tensor) else tuple(fakes)
 
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,31 @@ def test_unknown_predicates_read_their_typical_value_while_building():
             x.sum().item()
 
 
+class _WidthsByUnique(nn.Module):
+    """timm's RegNet builds its stages from `torch.unique(widths, return_counts=True)` over widths computed
+    from constants, read back with `.tolist()`: a data-dependent op in the factory."""
+
+    def __init__(self):
+        super().__init__()
+        widths = torch.round(torch.arange(6, dtype=torch.float32) * 3.0 + 8) // 4 * 4
+        stage_widths, _ = torch.unique(widths, return_counts=True)
+        channels = [3, *(int(w) for w in stage_widths.tolist())]
+        self.body = nn.Sequential(*(nn.Conv2d(a, b, 3, padding=1) for a, b in zip(channels, channels[1:])))
+
+    def forward(self, x):
+        return self.body(x).mean()
+
+
+def widths_by_unique(batch_size: int = 2):
+    return _WidthsByUnique(), (torch.randn(batch_size, 3, 16, 16),)
+
+
+def test_a_data_dependent_op_over_constants_in_the_factory_runs_on_their_values():
+    """The fake kernel of unique refused (DynamicOutputShapeException): every timm RegNet failed."""
+    predicted, _ = _check(widths_by_unique)
+    assert not predicted.approximate
+
+
 # --------------------------------------------------------------------------------------------------
 # Ops whose fake kernels refuse to run or allocate differently
 
