@@ -14,6 +14,7 @@ truth is always `memplan.verify.measure`.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -151,7 +152,7 @@ class _WidthsByUnique(nn.Module):
         widths = torch.round(torch.arange(6, dtype=torch.float32) * 3.0 + 8) // 4 * 4
         stage_widths, _ = torch.unique(widths, return_counts=True)
         channels = [3, *(int(w) for w in stage_widths.tolist())]
-        self.body = nn.Sequential(*(nn.Conv2d(a, b, 3, padding=1) for a, b in zip(channels, channels[1:])))
+        self.body = nn.Sequential(*(nn.Conv2d(a, b, 3, padding=1) for a, b in itertools.pairwise(channels)))
 
     def forward(self, x):
         return self.body(x).mean()
