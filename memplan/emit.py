@@ -249,7 +249,8 @@ def _resolve(model: nn.Module, plan: Plan, segment: Segment) -> list[nn.Module]:
         except AttributeError:
             raise BadInput(f"the model has no module {path!r} (the plan is for {plan.model})") from None
     if len(modules) == 1:
-        if isinstance(modules[0], (nn.ModuleList, nn.ModuleDict)):
+        # a container is never called itself, unless its class gives it a forward (timm's DenseBlock, a ModuleDict)
+        if isinstance(modules[0], (nn.ModuleList, nn.ModuleDict)) and type(modules[0]).forward is nn.Module.forward:
             raise BadInput(
                 f"{segment.modules[0]!r} is an {type(modules[0]).__name__}, which is never called "
                 "itself; checkpoint a run of its blocks instead"

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from memplan.closed_loop import Candidate, ClosedLoop, EstimateCache, Outcome, verified_search
+from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
 from memplan.planner import alternatives, candidate_blocks, max_batch, nested_candidates, plan_checkpoints
@@ -929,6 +930,29 @@ def test_modules_called_more_than_once_are_checkpointed_at_every_call(net, input
     plan = plan_checkpoints(workload, CONFIG, budget, device="cpu").plan
     assert plan.feasible and plan.segments
     assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes == plan.predicted_peak_bytes
+    assert gradients_equal(workload, plan)
+
+
+class _DenseBlock(nn.ModuleDict):
+    """timm's DenseNet block: a ModuleDict with a forward of its own, concatenating every layer's output."""
+
+    def __init__(self):
+        super().__init__({f"layer{i}": nn.Linear(32 * (i + 1), 32) for i in range(3)})
+
+    def forward(self, x):
+        features = [x]
+        for layer in self.values():
+            features.append(F.gelu(layer(torch.cat(features, -1))))
+        return torch.cat(features, -1)
+
+
+def test_a_container_with_a_forward_of_its_own_is_checkpointed():
+    """emit refused any ModuleDict as never called itself; the planner's candidate DenseNet block then
+    failed the estimate (the planner refused it and planned again without it)."""
+    workload = _factory_workload(lambda: nn.Sequential(nn.Linear(32, 32), _DenseBlock(), nn.Linear(128, 1)), (16, 32))
+    plan = _by_hand("1")
+    predicted = estimate(workload, CONFIG, device="cpu", transform=lambda m: apply_plan(m, plan)).peak_bytes
+    assert measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes == predicted
     assert gradients_equal(workload, plan)
 
 
