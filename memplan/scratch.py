@@ -1413,23 +1413,16 @@ def _linalg_svd(args: tuple, kwargs: dict, out: Any) -> int:
     return a.numel() * _itemsize(a.dtype) + 4 * batch
 
 
-_ONE_MATRIX: dict[tuple, int] = {}
+def _one_matrix_scratch(func: Any, like: torch.Tensor, *flags: Any) -> int:
+    """The scratch of `func(eye(n), *flags)` for one n x n matrix of `like`'s dtype, measured once
+    (probe_scratch): LAPACK's workspace (batch-independent: allocated once for the batch) plus the
+    per-matrix buffers of one matrix."""
+    n = like.shape[-1]
 
+    def identity(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return (torch.eye(n, dtype=like.dtype), *args[1:]), kwargs
 
-def _one_matrix_scratch(func: Any, n: int, dtype: torch.dtype, *flags: Any) -> int:
-    """The scratch of `func(eye(n), *flags)`, measured once: LAPACK's workspace (batch-independent:
-    allocated once for the batch) plus the per-matrix buffers of one matrix. 0 under a running profiler."""
-    key = (str(func), n, dtype, flags)
-    if key not in _ONE_MATRIX:
-        if torch._C._autograd._profiler_enabled():
-            warnings.warn(f"memplan: cannot measure LAPACK's workspace for {func} under a running profiler; "
-                          "counted as 0", stacklevel=3)
-            return 0
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes(), torch.autocast("cpu", enabled=False):
-            _ONE_MATRIX[key] = measure(lambda a: func(a, *flags), lambda: torch.eye(n, dtype=dtype)).extra
-    return _ONE_MATRIX[key]
+    return probe_scratch(func, (like.new_empty((n, n)), *flags), {}, prepare=identity)
 
 
 @scratch_rule("cpu", aten._linalg_eigh.default)
@@ -1443,7 +1436,7 @@ def _linalg_eigh(args: tuple, kwargs: dict, out: Any) -> int:
     if a.numel() == 0:
         return 0
     per_matrix = 4 + (0 if compute_v else n * n * _itemsize(a.dtype))
-    return _one_matrix_scratch(aten._linalg_eigh.default, n, a.dtype, uplo, compute_v) + (batch - 1) * per_matrix
+    return _one_matrix_scratch(aten._linalg_eigh.default, a, uplo, compute_v) + (batch - 1) * per_matrix
 
 
 def _geev_per_matrix(a: torch.Tensor, vectors: bool) -> int:
@@ -1462,10 +1455,10 @@ def _eig(func: Any, vectors: bool) -> ScratchFormula:
 
     def formula(args: tuple, kwargs: dict, out: Any) -> int:
         a = args[0]
-        batch, _, n = _matrices(a)
+        batch, _, _ = _matrices(a)
         if a.numel() == 0:
             return 0
-        one = _one_matrix_scratch(func, n, a.dtype)
+        one = _one_matrix_scratch(func, a)
         per_matrix = one if a.is_complex() else _geev_per_matrix(a, vectors)
         return one + (batch - 1) * per_matrix
 

@@ -1310,6 +1310,25 @@ def test_ops_without_a_cpu_kernel_for_the_dtype_fail_the_estimate_as_eager_fails
     assert estimate(workload, fp32, device="cpu").peak_bytes == measure(workload, fp32, device="cpu").measured_peak_bytes
 
 
+def test_the_cli_names_a_missing_cpu_kernel_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    path = tmp_path / "pooled.py"
+    path.write_text(
+        "import torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(16, 16)\n\n"
+        "    def forward(self, x):\n        return F.local_response_norm(self.fc(x).reshape(-1, 4, 2, 2), 3).float().sum()\n\n\n"
+        "def build(batch_size=2):\n    return Net(), (torch.randn(batch_size, 16),)\n")
+    result = CliRunner().invoke(app, ["estimate", f"{path}:build", "-p", "bf16", "-o", "sgd", "--device", "cpu"])
+    assert result.exit_code == 1, result.output
+    assert result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "aten.avg_pool3d.default" in result.stderr and "not implemented for 'BFloat16'" in result.stderr
+
+
 def test_a_missing_cpu_kernel_is_not_held_against_cuda():
     """The kernels probed are the CPU's: a CUDA step with a bf16 avg_pool3d is estimated."""
     workload = Workload("lrn", lambda batch_size=2: (_LocalResponseNorm(), (torch.randn(batch_size, 16),)), 2, {})
