@@ -444,6 +444,12 @@ def peak_floor(trace: Trace, device: DeviceModel | None = None) -> Floor:
             for sid in (*op.reads, *op.writes):
                 first_read.setdefault(sid, op.index)
                 last_read[sid] = op.index
+    # what backward or the optimizer makes lives until freed, which no plan changes (the same ops free
+    # it in the same order), even past its last read (a temporary a Python name holds)
+    for sid, storage in trace.storages.items():
+        made_by = storage.allocated_by
+        if sid not in persistent and made_by is not None and trace.ops[made_by].phase != "forward":
+            last_read[sid] = max(last_read.get(sid, made_by), freed_after.get(sid, made_by))
     # sums that eager PyTorch does in place (estimate.in_place_sums): the summand is the sum's own
     # memory, so it stops counting at the sum
     summed_into = in_place_sums(trace)
