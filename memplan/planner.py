@@ -37,7 +37,7 @@ from memplan.devices import DeviceModel, device_model
 from memplan.estimate import Estimate, eager_events, estimate, in_place_sums, opened_workspace
 from memplan.plan import Plan, Segment
 from memplan.replay import Timeline, estimate_replayed
-from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
+from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span, solve_chain_dp
 from memplan.step import StepConfig
 from memplan.timing import TimeModel, op_seconds, recompute_seconds, time_model_for
 from memplan.trace import ModuleCall, Op, Trace, drawn
@@ -682,9 +682,11 @@ def _plan_checkpoints(
 
     solved: dict[int, Solution] = {}  # by solver budget: the searches after the first meet many again
 
+    deadline = None if time_limit_s is None else started + time_limit_s
+
     def solve_at(budget: int) -> Solution:
         if budget not in solved:
-            solved[budget] = _solve(method, problem_at(budget))
+            solved[budget] = _solve(method, problem_at(budget), deadline)
         return solved[budget]
 
     searched: dict[tuple[Segment, ...], Outcome[Solution]] = {}
@@ -709,8 +711,8 @@ def _plan_checkpoints(
         lowest = min(searched.values(), key=lambda o: o.planned.peak_bytes)
         best = min([*checked, Outcome(*re_estimate(lowest.plan), lowest.solution)],
                    key=lambda o: o.planned.peak_bytes)
-        if method in EXACT_METHODS and best.planned.peak_bytes > unplanned.peak_bytes:
-            # no plan reached below the step without checkpoints: that is the lowest
+        if method in EXACT_METHODS and best.plan.segments and best.planned.peak_bytes >= unplanned.peak_bytes:
+            # no plan reached below the step without checkpoints: that is the lowest, and recomputes nothing
             none = candidate(_solve("none", chain(budget_bytes)))
             best = Outcome(*re_estimate(none.draft), none.solution)
     if best.plan.method != method and best.plan.method in BASELINES:
@@ -718,9 +720,12 @@ def _plan_checkpoints(
     return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, allocator))
 
 
-def _solve(method: str, problem: ChainProblem) -> Solution:
+def _solve(method: str, problem: ChainProblem, deadline: float | None = None) -> Solution:
+    """`deadline` (a time.perf_counter() reading) bounds the exact DP, which then returns a plan with its gap."""
     if method == "uniform-k":
         return SOLVERS[method](problem, k=max(1, round(len(problem.blocks) ** 0.5)))
+    if method == "optimal-dp":
+        return solve_chain_dp(problem, deadline=deadline)
     return SOLVERS[method](problem)
 
 

@@ -1101,7 +1101,7 @@ def _plan_selective(
             plan, planned = realise(lowest.plan)
             realised.append(Outcome(plan, planned, lowest.solution))
         best = min(realised, key=lambda r: (r.planned.peak_bytes, cost(r)))
-        if best.planned.peak_bytes > unplanned.peak_bytes:  # no plan got below the step without one
+        if best.plan.segments and best.planned.peak_bytes >= unplanned.peak_bytes:  # none got below no plan
             best = Outcome(*realise(replace(best.plan, segments=(), method="none")), None)
     exclusions = tuple((b.path, name, why) for b in blocks for name, why in b.exclusions)
     solved: _Solved | None = best.solution  # None where the plan is a baseline passed in

@@ -205,8 +205,10 @@ def _chain_solution(
 # Exact dynamic programming for chains
 
 
-def solve_chain_dp(problem: ChainProblem, objective: str = "flops") -> Solution:
-    """The cheapest selection whose modelled peak fits, proven optimal.
+def solve_chain_dp(problem: ChainProblem, objective: str = "flops", deadline: float | None = None) -> Solution:
+    """The cheapest selection whose modelled peak fits, proven optimal; or, once past `deadline` (a
+    time.perf_counter() reading), the cheapest fitting one the Lagrangian search met, with its relative gap
+    to the Lagrangian bound as optimality_gap.
 
     A forward DP over block boundaries. A partial selection up to boundary k is summarised by
     (cost, mem, x): its cost, its kept + boundary bytes, and its largest segment so far. Its final peak is
@@ -226,16 +228,26 @@ def solve_chain_dp(problem: ChainProblem, objective: str = "flops") -> Solution:
     # headroom, it becomes the limit, and the answer is the cheapest selection reaching it (feasible=False)
     lowest = _selection(chain, reach_rest, reach, cost_weight=0.0, mem_weight=1.0)
     limit = max(problem.budget_bytes - problem.fixed_bytes, chain.activations(lowest))
-    price, lower, upper = _lagrange(chain, limit, lowest)
+    price, lower, upper, fitting = _lagrange(chain, limit, lowest)
     togo = _bound_table(chain, 1.0, price)[1]
     # search below a ceiling on the cost, raised until a selection turns up: a low ceiling prunes hard, and
     # any selection found under it is optimal, because nothing cheaper was pruned. The Lagrangian bound is
     # usually within a fraction of a percent of the optimum, the first selection found a little further off.
-    for step in range(_CEILING_STEPS, -1, -1):
-        spans = _cheapest_within(chain, reach, limit, price, togo, upper - (upper - lower) * (1 - 2.0**-step))
-        if spans is not None:
-            return _chain_solution(problem, "optimal-dp", spans, started, optimality_gap=0.0)
+    try:
+        for step in range(_CEILING_STEPS, -1, -1):
+            ceiling = upper - (upper - lower) * (1 - 2.0**-step)
+            spans = _cheapest_within(chain, reach, limit, price, togo, ceiling, deadline)
+            if spans is not None:
+                return _chain_solution(problem, "optimal-dp", spans, started, optimality_gap=0.0)
+    except _PastDeadline:
+        # the search's states grow with the headroom (a nested chain of 300 units: minutes per solve)
+        gap = float((upper - lower) / upper) if upper > 0 else 0.0
+        return _chain_solution(problem, "optimal-dp", fitting, started, optimality_gap=gap)
     raise AssertionError("unreachable: the last ceiling admits a known fitting selection")
+
+
+class _PastDeadline(Exception):
+    pass
 
 
 _CEILING_STEPS = 8
@@ -330,18 +342,20 @@ def _selection(
     return spans
 
 
-def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tuple[float, float, float]:
-    """A price per byte for the Lagrangian cost bound, the bound at that price (a lower bound on the optimum)
-    and the cheapest fitting selection's cost met (an upper bound).
+def _lagrange(
+    chain: _Chain, limit: int, fitting: list[tuple[int, int]]
+) -> tuple[float, float, float, list[tuple[int, int]]]:
+    """A price per byte for the Lagrangian cost bound, the bound at that price (a lower bound on the optimum),
+    and the cheapest fitting selection met with its cost (an upper bound).
 
     Minimising cost + price * peak over all selections is the DP of _bound_table; raising the price trades
     cost for memory. The best price lies where the minimisers cross the limit; it is found by intersecting
     the lines cost + price * (peak - limit) of a selection over the limit and one within it (`fitting`, to
     start: the lowest-peak selection), as for any one-constraint Lagrangian dual."""
-    over = []  # at price 0 nothing is checkpointed
+    over: list[tuple[int, int]] = []  # at price 0 nothing is checkpointed
     if chain.activations(over) <= limit:
-        return 0.0, 0.0, 0.0
-    upper = chain.cost(fitting)
+        return 0.0, 0.0, 0.0, over
+    upper, cheapest = chain.cost(fitting), fitting
     price, lower = 0.0, 0.0
     for _ in range(_LAGRANGE_STEPS):
         over_cost, over_peak = chain.cost(over), chain.activations(over)
@@ -354,19 +368,23 @@ def _lagrange(chain: _Chain, limit: int, fitting: list[tuple[int, int]]) -> tupl
         if lower >= line - 1e-12 * (abs(line) + price * limit):
             break  # no selection lies below both lines: the price is the dual optimum
         if chain.activations(found) <= limit:
-            fitting, upper = found, min(upper, chain.cost(found))
+            fitting = found
+            if chain.cost(found) < upper:
+                upper, cheapest = chain.cost(found), found
         else:
             over = found
-    return price, min(lower, upper), upper
+    return price, min(lower, upper), upper, cheapest
 
 
 _LAGRANGE_STEPS = 50  # the line intersection converges in far fewer steps; this only guards against float ties
 
 
 def _cheapest_within(
-    chain: _Chain, reach: np.ndarray, limit: int, price: float, togo: np.ndarray, ceiling: float
+    chain: _Chain, reach: np.ndarray, limit: int, price: float, togo: np.ndarray, ceiling: float,
+    deadline: float | None,
 ) -> list[tuple[int, int]] | None:
-    """The cheapest fitting selection that costs at most `ceiling` (then the lowest peak), or None.
+    """The cheapest fitting selection that costs at most `ceiling` (then the lowest peak), or None; raises
+    _PastDeadline once past `deadline`.
 
     Boundary by boundary, the partial selections ending there are gathered from every earlier boundary a
     move reaches it from (keep the previous block, or a segment ending at it), pruned by the bounds and
@@ -384,6 +402,8 @@ def _cheapest_within(
     trail_last: list[np.ndarray] = []
     nodes = 0
     for after in range(1, n + 1):
+        if deadline is not None and time.perf_counter() > deadline:
+            raise _PastDeadline
         last = after - 1
         before = frontier[last]
         moves = [(before.cost, before.mem + chain.saved[last], before.x, before.node, np.full(len(before.x), -1))]

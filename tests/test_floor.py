@@ -132,13 +132,25 @@ def test_floor_counts_what_the_optimizer_keeps_past_its_last_read():
     """A small batch under AdamW peaks in the optimizer, which no checkpoint changes: the floor is that
     peak as the allocator measures it, though a temporary there outlives its last read (it was 2,048 B
     under, and a budget between the two was called reachable and missed)."""
-    def build(batch_size):
-        blocks = [torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(4)]
-        return torch.nn.Sequential(*blocks, torch.nn.Linear(512, 10)), (torch.randn(batch_size, 512),)
-
-    workload = Workload("mlp", build, 2, {})
-    config = StepConfig(precision="fp32", optimizer="adamw", steps=2)
-    measured = measure(workload, config, device="cpu")
+    measured = measure(OPTIMIZER_BOUND, ADAMW, device="cpu")
     assert measured.measured_peak_bytes == dict(measured.phase_peaks)["optimizer"]
-    result = plan_checkpoints(workload, config, 0, device="cpu")
+    result = plan_checkpoints(OPTIMIZER_BOUND, ADAMW, 0, device="cpu")
     assert result.floor.peak_bytes == measured.measured_peak_bytes
+
+
+@pytest.mark.parametrize("planner", [plan_checkpoints, plan_selective])
+def test_where_no_plan_lowers_the_peak_the_plan_recomputes_nothing(planner):
+    """A plan that peaks where no plan does (in the optimizer) is no lower than none, only slower: the
+    planners returned segments there."""
+    result = planner(OPTIMIZER_BOUND, ADAMW, measure(OPTIMIZER_BOUND, ADAMW, device="cpu").measured_peak_bytes - 1,
+                     device="cpu")
+    assert not result.plan.feasible and result.plan.segments == () and result.plan.recompute_flops == 0
+
+
+def _optimizer_bound_mlp(batch_size):
+    blocks = [torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(4)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(512, 10)), (torch.randn(batch_size, 512),)
+
+
+OPTIMIZER_BOUND = Workload("mlp", _optimizer_bound_mlp, 2, {})
+ADAMW = StepConfig(precision="fp32", optimizer="adamw", steps=2)

@@ -108,6 +108,22 @@ def test_dp_matches_brute_force_on_longer_chains():
         assert outcome(solve_chain_dp(problem)) == outcome(brute_force(problem)), problem
 
 
+def test_dp_past_its_deadline_returns_a_fitting_selection_within_its_gap():
+    """Past the deadline the DP stops searching and returns the cheapest fitting selection its Lagrangian
+    search met: it fits wherever one fits (else it is the lowest peak), and the optimum lies within the gap."""
+    for problem in random_chains(seed=3, count=150, sizes=range(1, 13)):
+        reference = brute_force(problem)
+        stopped = solve_chain_dp(problem, deadline=0.0)
+        check_solution(problem, stopped)
+        assert stopped.feasible == reference.feasible, problem
+        if not reference.feasible:
+            assert stopped.modelled_peak_bytes == reference.modelled_peak_bytes
+            continue
+        assert 0.0 <= stopped.optimality_gap < 1.0 or stopped.recompute_flops == reference.recompute_flops == 0
+        assert stopped.recompute_flops >= reference.recompute_flops
+        assert reference.recompute_flops >= stopped.recompute_flops * (1 - stopped.optimality_gap) - 1, problem
+
+
 def test_dp_minimises_seconds_when_asked():
     for problem in random_chains(seed=3, count=60, sizes=range(1, 11)):
         dp = solve_chain_dp(problem, objective="seconds")
