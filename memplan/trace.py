@@ -740,11 +740,7 @@ class _Recorder(TorchDispatchMode):
                 real = func(distinct, *args[1:], **kwargs)
             self.approximate.append(str(func))
         if real is not None:
-            reals = [real] if isinstance(real, torch.Tensor) else list(real)
-            outs = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=x.device) for r in reals]
-            if not assumed and all(self.known.keeps(o) for o in outs):
-                self.known.keep(outs, reals, typical)
-            return outs[0] if isinstance(real, torch.Tensor) else tuple(outs)
+            return self.known.fakes_of(real, x.device, keep=not assumed, typical=typical)
         self.approximate.append(str(func))
         if func is torch.ops.aten.repeat_interleave.Tensor:  # each index once
             out = torch.empty((x.numel(),), dtype=x.dtype, device=x.device)
@@ -1591,6 +1587,15 @@ class _RealValues:
                 if typical is not None:
                     self.typical[fake] = typical
 
+    def fakes_of(self, real: Any, device: torch.device, keep: bool = True, typical: str | None = None) -> Any:
+        """Fake tensors laid out as a data-dependent op's real outputs (a tensor or a tuple), made in the
+        fake mode running; their values kept where `keep` and `keeps` allow."""
+        reals = [real] if isinstance(real, torch.Tensor) else list(real)
+        fakes = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device) for r in reals]
+        if keep and all(self.keeps(f) for f in fakes):
+            self.keep(fakes, reals, typical)
+        return fakes[0] if isinstance(real, torch.Tensor) else tuple(fakes)
+
     def forget(self, written: list[torch.Tensor]) -> None:
         """`written` got values no one knows: so did every tensor over their storages."""
         for t in written:
@@ -1654,7 +1659,7 @@ class _ConstantShadows(TorchDispatchMode):
         if func in _DATA_DEPENDENT and kwargs.get("output_size") is None:
             real = self.values.compute(func, args, kwargs, [])
             if real is not None:  # from known values (timm's RegNet: torch.unique over widths): as the values say
-                return self._made_like(real, inputs[0].device)
+                return self.values.fakes_of(real, inputs[0].device)
         out = func(*args, **kwargs)
         flat_out = tree_flatten(out)[0]
         if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
@@ -1663,14 +1668,6 @@ class _ConstantShadows(TorchDispatchMode):
         if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:
             self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
-
-
-    def _made_like(self, real: Any, device: torch.device) -> Any:
-        """Fake tensors of a data-dependent op's real outputs, their values kept."""
-        reals = [real] if isinstance(real, torch.Tensor) else list(real)
-        fakes = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device) for r in reals]
-        self.values.keep(fakes, reals)
-        return fakes[0] if isinstance(real, torch.Tensor) else tuple(fakes)
 
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
