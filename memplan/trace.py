@@ -25,7 +25,7 @@ import weakref
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from unittest import mock
 
@@ -442,6 +442,11 @@ class _Recorder(TorchDispatchMode):
         self.saved_at: dict[int, set[int]] = defaultdict(set)  # storage id -> module_hooks when saved
         # autograd's sequence number when each op reached the tracer (below autograd: its node is made)
         self.sequence_nrs: list[int] = []
+        # the autograd node whose backward ops run now, its adds taken for the engine's sums of gradients
+        # so far (output storage -> op index), and the node each backward op ran in (see _engine_sum)
+        self.engine_node: tuple[str, int] | None = None
+        self.engine_sums: dict[int, int] = {}
+        self.op_nodes: dict[int, tuple[str, int]] = {}
         # Values of the small tensors computed from constants and other known values alone (nonzero's
         # assumed selection, its rows, an index compared with a constant, a float mask made from a
         # constant one): reading them back (`if expert_idx == num_experts: continue`, Longformer's
@@ -554,6 +559,8 @@ class _Recorder(TorchDispatchMode):
         index = len(self.ops)
         self.sequence_nrs.append(torch._C._autograd._get_sequence_nr())
         reads = tuple(self.ids[s] for s in read_storages if s in self.ids)
+        engine_sum = self._engine_sum(func, args, reads, index)
+        in_place = engine_sum or self._is_in_place_add(func, args) or self._is_backward_in_place(func)
         writes = tuple(self.ids[s] for s in written_storages if s in self.ids)
         allocates = []
         for part in (p for t in flat_out if isinstance(t, torch.Tensor) for p in self.sparse.strided(t)):
@@ -583,12 +590,41 @@ class _Recorder(TorchDispatchMode):
                 writes=writes,
                 allocates=tuple(allocates),
                 scratch_bytes=scratch,
-                accumulates_in_place=(self._is_grad_accumulation(func, args) or self._is_in_place_add(func, args)
-                                      or self._is_backward_in_place(func)),
+                accumulates_in_place=in_place,
                 variant=_COST_VARIANTS[func._overloadpacket](kwargs) if func._overloadpacket in _COST_VARIANTS else "",
             )
         )
+        if engine_sum and len(allocates) == 1:
+            self.engine_sums[allocates[0]] = index
         return out
+
+    def _engine_sum(self, func: Any, args: tuple, reads: tuple[int, ...], index: int) -> bool:
+        """Whether op `index` is the engine's sum of two gradients of one tensor (_is_grad_accumulation),
+        not an add of the backward formula of the node running (lu_factor's adds tril(...) + triu(...),
+        pinv's returns a sum), which eager runs out of place as the trace does. The engine sums a
+        node's gradient once the node has returned it, into one an earlier node made, or another of
+        its own where two of its gradients go to one input (x * x). So an add that a later op of the
+        node reads is the formula's (undone here), and so is one of a tensor the node made itself where
+        each of its gradients goes elsewhere."""
+        if not self._in_autograd_engine():
+            return False
+        current = torch._C._current_autograd_node()
+        node = None if current is None else (current.name(), current._sequence_nr())
+        self.op_nodes[index] = node
+        if node != self.engine_node:
+            self.engine_node, self.engine_sums = node, {}
+        for sid in reads:
+            if sid in self.engine_sums:
+                op = self.ops[self.engine_sums.pop(sid)]
+                self.ops[op.index] = replace(op, accumulates_in_place=False)
+        if not self._is_grad_accumulation(func, args):
+            return False
+        first = self.ids.get(args[0].untyped_storage())
+        made_by = self.storages[first]["op"] if first is not None else None
+        if node is not None and made_by is not None and self.op_nodes.get(made_by) == node:
+            edges = [(id(function), number) for function, number in current.next_functions if function is not None]
+            return len(set(edges)) < len(edges)
+        return True
 
     def _alias_conversions(self, inputs: list[torch.Tensor]) -> None:
         """A real tensor that the step made (the batch_sizes of _pack_padded_sequence_outputs) reaching a

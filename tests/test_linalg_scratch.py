@@ -88,19 +88,20 @@ OPS = {
     "inv": lambda h, spd: torch.linalg.inv(spd).mean(),
     "eigvalsh": lambda h, spd: torch.linalg.eigvalsh(spd).mean(),
     "pinv": lambda h, spd: torch.linalg.pinv(h).mean(),
+    "lu_factor": lambda h, spd: torch.linalg.lu_factor(spd)[0].mean(),
 }
 
 
-def _linalg_model(op):
+def _linalg_model(op, n=N):
     def build(batch_size=3):
         class Net(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.fc = nn.Linear(8, N * N)
+                self.fc = nn.Linear(8, n * n)
 
             def forward(self, x):
-                h = self.fc(x).view(-1, N, N)
-                spd = h @ h.mT / N + torch.eye(N)
+                h = self.fc(x).view(-1, n, n)
+                spd = h @ h.mT / n + torch.eye(n)
                 return OPS[op](h, spd)
 
         return Net(), (torch.randn(batch_size, 8),)
@@ -108,17 +109,13 @@ def _linalg_model(op):
     return Workload(f"linalg-{op}", build, 3, {})
 
 
-@pytest.mark.parametrize("op", list(OPS))
-def test_estimate_matches_allocator(op):
-    """pinv's backward (and lu_factor's) is short by one batch of matrices that no op's scratch
-    explains (each op's matches alone): its forward is compared."""
+@pytest.mark.parametrize("op, n", [*((op, N) for op in OPS), ("pinv", 48), ("lu_factor", 48)])
+def test_estimate_matches_allocator(op, n):
+    """At 48x48 the backward of pinv and lu_factor peaks at an add of their own formula, which the
+    estimate took for the engine's in-place sum of two gradients (one batch of matrices short)."""
     config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
-    predicted = estimate(_linalg_model(op), config, device="cpu")
-    measured = measure(_linalg_model(op), config, device="cpu")
-    phases = ["forward"] if op == "pinv" else ["forward", "backward", "optimizer"]
-    for phase in phases:
-        assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
-                                                                             measured.phase_peaks)
-    if op != "pinv":
-        assert predicted.peak_bytes == measured.measured_peak_bytes
+    predicted = estimate(_linalg_model(op, n), config, device="cpu")
+    measured = measure(_linalg_model(op, n), config, device="cpu")
+    assert predicted.phase_peaks == measured.phase_peaks
+    assert predicted.peak_bytes == measured.measured_peak_bytes
     assert not predicted.approximate  # a batch's matrix_exp takes degree 18 whatever the values
