@@ -842,7 +842,12 @@ _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | Non
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an op mutates, from its schema's alias annotations (Tensor(a!))."""
+    """The tensors an op mutates, from its schema's alias annotations (Tensor(a!)). `t.set_(source)` where
+    source is t's own storage, offset, sizes and strides changes nothing and writes nothing
+    (torch.nn.utils.parametrize.register_parametrization sets the original to itself: peft's LoRA on
+    parameters registers one at every forward, whose blocks were refused as writing a parameter)."""
+    if func is torch.ops.aten.set_.source_Tensor and _same_view(args[0], args[1]):
+        return []
     written = []
     for position, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -850,6 +855,13 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
     return written
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided tensors are the same view of the same storage."""
+    return (a.layout is torch.strided and b.layout is torch.strided and a.untyped_storage() is b.untyped_storage()
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
 
 
 @contextlib.contextmanager
