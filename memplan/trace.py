@@ -1667,6 +1667,8 @@ class _ConstantShadows(TorchDispatchMode):
             real = self.values.compute(func, args, kwargs, [])
             if real is not None:  # from known values (timm's RegNet: torch.unique over widths): as the values say
                 return self._made_like(real, inputs[0].device)
+        if func in _MASK_INDEXED:
+            args = self._masks_as_indices(func, args)
         out = func(*args, **kwargs)
         flat_out = tree_flatten(out)[0]
         if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
@@ -1683,6 +1685,35 @@ class _ConstantShadows(TorchDispatchMode):
         fakes = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device) for r in reals]
         self.values.keep(fakes, reals)
         return fakes[0] if isinstance(real, torch.Tensor) else tuple(fakes)
+
+    def _masks_as_indices(self, func: Any, args: tuple) -> tuple:
+        """`_MASK_INDEXED`'s arguments with each bool or uint8 mask replaced by the indices of its true
+        elements, as eager's kernels do and the fake kernels cannot (a data-dependent nonzero): exact where
+        the mask's values are known (peft's FRoD: `indices[indices[:, 0] != indices[:, 1]]` over a meshgrid
+        of aranges; UniLoRA: `x[counts > 0]` over a bincount of indices drawn for real), else every
+        element, as the step's recorder assumes (approximate). `x[mask] = scalar` is a masked fill, which
+        the fake kernels run as it is."""
+        indices = args[1]
+        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return args
+        masks = [i for i in indices if i is not None]
+        accumulate = len(args) > 3 and args[3]
+        if func is not torch.ops.aten.index.Tensor and not accumulate and len(masks) == 1 \
+                and masks[0].dtype == torch.bool and args[2].numel() == 1:
+            return args
+        expanded = []
+        for index in indices:
+            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+                real = self.values.compute(torch.ops.aten.nonzero.default, (index,), {}, [])
+                if real is None:  # every element, in order
+                    self.approximate.append(str(torch.ops.aten.nonzero.default))
+                    with _disable_current_modes():
+                        real = torch.ones(index.shape, dtype=torch.bool).nonzero()
+                where = self._made_like(real, index.device)
+                expanded.extend(where.select(1, d) for d in range(index.dim()))
+            else:
+                expanded.append(index)
+        return (args[0], expanded, *args[2:])
 
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,28 @@ def test_constant_shadows_follow_in_place_writes():
             view[0].item()
 
 
+def mask_indexed_while_building(batch_size: int = 2):
+    """peft's FRoD and UniLoRA index by bool masks while they build (`pairs[pairs[:, 0] != pairs[:, 1]]` over a
+    meshgrid of aranges; `x[counts > 0] = ...` over a bincount of indices drawn at random); a width follows
+    from the known mask, and a weight's columns are rescaled through a mask over values no one knows."""
+    rows, cols = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
+    pairs = torch.stack([rows.flatten(), cols.flatten()], dim=1)
+    width = pairs[pairs[:, 0] != pairs[:, 1]].shape[0]  # 30
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 4))
+    with torch.no_grad():
+        keep = model[0].weight[0] > 0  # unknown values: every column assumed, as the step's recorder does
+        model[0].weight[:, keep] = model[0].weight[:, keep] * 0.5
+    return model, (torch.randn(batch_size, 16),)
+
+
+def test_mask_indexing_while_building():
+    """Advanced indexing by a bool mask runs a data-dependent nonzero in the fake kernels: the factory
+    failed ("raised DynamicOutputShapeException: aten.nonzero.default"); now the mask is replaced by its
+    indices, from its values where known, else every element (approximate)."""
+    predicted, _ = _check(mask_indexed_while_building)
+    assert predicted.approximate and "aten.nonzero.default" in predicted.approximate_ops
+
+
 def truncated_normal_init(batch_size: int = 2):
     """timm / Hugging Face (ModernBERT) initialisation: nn.init.trunc_normal_, which torch 2.13
     rejection-samples until `not ((w < a) | (w > b)).any()`, reading random values back."""
