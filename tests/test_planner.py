@@ -923,6 +923,22 @@ def test_a_block_parametrized_at_every_call_is_a_candidate():
     assert predicted == measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes
 
 
+class _ProjectsItsGradient(_Residual):
+    """As peft's OSF: a hook on its parameter's tensor rewrites the gradient (projects it onto a subspace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.weight.register_hook(lambda grad: grad * 0.5)
+
+
+def test_gradients_equal_keeps_the_model_s_tensor_hooks():
+    """gradients_equal compared the built model with a deep copy of it, which loses hooks registered on
+    tensors: a plan that checkpoints nothing was reported to change the gradients (peft's OSF, every plan)."""
+    workload = _factory_workload(lambda: nn.Sequential(_ProjectsItsGradient(), _Residual()), (8, 32))
+    assert gradients_equal(workload, _by_hand("1"))
+    assert gradients_equal(workload, _by_hand("0"))
+
+
 def test_blocks_the_model_checkpoints_itself_are_left_out():
     """A run across the model's own checkpoints crashed the selective planner (the reentrant one hands
     the next block another tensor than the one the run passes on)."""
