@@ -180,8 +180,11 @@ def _is_norm_layer(module: nn.Module) -> bool:
 
 def convert_module(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
     """Move and cast parameters and buffers by replacing them (Module.to() cannot swap fake
-    parameters). Tied parameters stay tied; integer buffers keep their dtype."""
-    converted: dict[int, torch.Tensor] = {}
+    parameters). Tied parameters stay tied; integer buffers keep their dtype. Each original is kept
+    until the end, so its id is not reused: a module that registers a new Parameter while its modules
+    are listed (peft's LoRA nn.MultiheadAttention, in named_modules) would otherwise be handed the
+    conversion of one already replaced, another weight."""
+    converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original) -> (original, converted)
 
     def convert(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if id(tensor) not in converted:
@@ -190,8 +193,8 @@ def convert_module(model: nn.Module, device: torch.device, precision: Precision)
                 new = tensor.to(device=device, dtype=target)
             if isinstance(tensor, nn.Parameter):
                 new = nn.Parameter(new, requires_grad=tensor.requires_grad)
-            converted[id(tensor)] = new
-        return converted[id(tensor)]
+            converted[id(tensor)] = (tensor, new)
+        return converted[id(tensor)][1]
 
     for module in model.modules():
         dtype = torch.float32 if precision.norm_layers_fp32 and _is_norm_layer(module) else precision.param_dtype

@@ -874,7 +874,12 @@ _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | Non
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an op mutates, from its schema's alias annotations (Tensor(a!))."""
+    """The tensors an op mutates, from its schema's alias annotations (Tensor(a!)). `t.set_(source)` where
+    source is t's own storage, offset, sizes and strides changes nothing and writes nothing
+    (torch.nn.utils.parametrize.register_parametrization sets the original to itself: peft's LoRA on
+    parameters registers one at every forward, whose blocks were refused as writing a parameter)."""
+    if func is torch.ops.aten.set_.source_Tensor and _same_view(args[0], args[1]):
+        return []
     written = []
     for position, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -882,6 +887,13 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
     return written
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided tensors are the same view of the same storage."""
+    return (a.layout is torch.strided and b.layout is torch.strided and a.untyped_storage() is b.untyped_storage()
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
 
 
 @contextlib.contextmanager
@@ -1696,6 +1708,8 @@ class _ConstantShadows(TorchDispatchMode):
             real = self.values.compute(func, args, kwargs, [])
             if real is not None:  # from known values (timm's RegNet: torch.unique over widths): as the values say
                 return self.values.fakes_of(real, inputs[0].device)
+        if func in _MASK_INDEXED:
+            args = self._masks_as_indices(func, args)
         out = func(*args, **kwargs)
         flat_out = tree_flatten(out)[0]
         if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
@@ -1704,6 +1718,36 @@ class _ConstantShadows(TorchDispatchMode):
         if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:
             self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
+
+
+    def _masks_as_indices(self, func: Any, args: tuple) -> tuple:
+        """`_MASK_INDEXED`'s arguments with each bool or uint8 mask replaced by the indices of its true
+        elements, as eager's kernels do and the fake kernels cannot (a data-dependent nonzero): exact where
+        the mask's values are known (peft's FRoD: `indices[indices[:, 0] != indices[:, 1]]` over a meshgrid
+        of aranges; UniLoRA: `x[counts > 0]` over a bincount of indices drawn for real), else every
+        element, as the step's recorder assumes (approximate). `x[mask] = scalar` is a masked fill, which
+        the fake kernels run as it is."""
+        indices = args[1]
+        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return args
+        masks = [i for i in indices if i is not None]
+        accumulate = len(args) > 3 and args[3]
+        if func is not torch.ops.aten.index.Tensor and not accumulate and len(masks) == 1 \
+                and masks[0].dtype == torch.bool and args[2].numel() == 1:
+            return args
+        expanded = []
+        for index in indices:
+            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+                real = self.values.compute(torch.ops.aten.nonzero.default, (index,), {}, [])
+                if real is None:  # every element, in order
+                    self.approximate.append(str(torch.ops.aten.nonzero.default))
+                    with _disable_current_modes():
+                        real = torch.ones(index.shape, dtype=torch.bool).nonzero()
+                where = self.values.fakes_of(real, index.device)
+                expanded.extend(where.select(1, d) for d in range(index.dim()))
+            else:
+                expanded.append(index)
+        return (args[0], expanded, *args[2:])
 
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:

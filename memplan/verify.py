@@ -220,14 +220,19 @@ def apply_plan(model: nn.Module, plan: Plan) -> nn.Module:
 
 def gradients_equal(workload: Workload, plan: Plan, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
     """Whether the planned model's parameter gradients equal eager's: one fp32 forward and backward on the
-    CPU of the built model and of a checkpointed copy of it, each from the same seeds (dropout draws the
+    CPU of the built model and of a second build, checkpointed, each from the same seeds (dropout draws the
     same masks; so does code drawing from Python's or NumPy's generator, where nothing recomputes it)
-    and its own copy of the inputs (a model may scale its batch in place), compared with torch.allclose."""
-    torch.manual_seed(0)
+    and its own copy of the inputs (a model may scale its batch in place), compared with torch.allclose.
+    Each is built from the same seeds, not deep-copied: a copy loses the hooks the model registered on its
+    tensors (peft's OSF projects its parameters' gradients through them)."""
     gradients = []
     with model_caches_emptied_after():
-        model, inputs = workload.build()
-        for candidate in (model, apply_plan(copy.deepcopy(model), plan)):
+        for planned in (False, True):
+            torch.manual_seed(0)
+            random.seed(0)
+            np.random.seed(0)
+            model, inputs = workload.build()
+            candidate = apply_plan(model, plan) if planned else model
             torch.manual_seed(123)
             random.seed(123)
             np.random.seed(123)

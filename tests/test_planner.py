@@ -877,6 +877,68 @@ def test_blocks_recomputation_would_break_are_left_out(first, excluded, reason):
     assert [b.path for b in candidates.blocks] == ["1", "2"]
 
 
+class _LowRankDelta(nn.Module):
+    """A parametrization adding a trainable low-rank delta to a weight (peft's _LoraParameterProxy)."""
+
+    def __init__(self, out_features: int, in_features: int, rank: int = 4):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(rank, in_features) * 0.1)
+        self.b = nn.Parameter(torch.randn(out_features, rank) * 0.1)
+
+    def forward(self, weight):
+        return weight + self.b @ self.a
+
+
+class _ParametrizedAtEveryCall(_Residual):
+    """As peft's LoRA on parameters (target_parameters, its ParamWrapper): at every call the frozen weight is
+    parametrized, read, and the parametrization removed. Registering sets the original to itself
+    (`weight.set_(weight)`), which writes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.weight.requires_grad_(False)
+        self.delta = _LowRankDelta(*self.fc1.weight.shape)
+
+    def forward(self, x):
+        torch.nn.utils.parametrize.register_parametrization(self.fc1, "weight", self.delta)
+        try:
+            return super().forward(x)
+        finally:
+            torch.nn.utils.parametrize.remove_parametrizations(self.fc1, "weight", leave_parametrized=False)
+
+
+def test_a_block_parametrized_at_every_call_is_a_candidate():
+    """register_parametrization's `original.set_(original)` was taken for a write of the parameter, and
+    the block was left out as writing a parameter in place (peft's LoRA on parameters: no plan at all)."""
+    def build(batch_size: int = 8):
+        return nn.Sequential(_ParametrizedAtEveryCall(), _Residual(), _Residual()), (torch.randn(batch_size, 16, 32),)
+
+    workload = Workload("parametrized", build, None, {})
+    _, trace = estimate_and_trace(workload, CONFIG, device="cpu")
+    candidates = candidate_blocks(trace)
+    assert "0" in [b.path for b in candidates.blocks], {e.path: e.reason for e in candidates.excluded}
+    plan = replace(_by_hand("0"), model="parametrized", batch_size=None)
+    assert gradients_equal(workload, plan)
+    predicted = estimate(workload, CONFIG, device="cpu", transform=lambda model: apply_plan(model, plan)).peak_bytes
+    assert predicted == measure(workload, CONFIG, device="cpu", plan=plan).measured_peak_bytes
+
+
+class _ProjectsItsGradient(_Residual):
+    """As peft's OSF: a hook on its parameter's tensor rewrites the gradient (projects it onto a subspace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.weight.register_hook(lambda grad: grad * 0.5)
+
+
+def test_gradients_equal_keeps_the_model_s_tensor_hooks():
+    """gradients_equal compared the built model with a deep copy of it, which loses hooks registered on
+    tensors: a plan that checkpoints nothing was reported to change the gradients (peft's OSF, every plan)."""
+    workload = _factory_workload(lambda: nn.Sequential(_ProjectsItsGradient(), _Residual()), (8, 32))
+    assert gradients_equal(workload, _by_hand("1"))
+    assert gradients_equal(workload, _by_hand("0"))
+
+
 def test_blocks_the_model_checkpoints_itself_are_left_out():
     """A run across the model's own checkpoints crashed the selective planner (the reentrant one hands
     the next block another tensor than the one the run passes on)."""

@@ -118,6 +118,28 @@ def test_constant_shadows_follow_in_place_writes():
             view[0].item()
 
 
+def mask_indexed_while_building(batch_size: int = 2):
+    """peft's FRoD and UniLoRA index by bool masks while they build (`pairs[pairs[:, 0] != pairs[:, 1]]` over a
+    meshgrid of aranges; `x[counts > 0] = ...` over a bincount of indices drawn at random); a width follows
+    from the known mask, and a weight's columns are rescaled through a mask over values no one knows."""
+    rows, cols = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
+    pairs = torch.stack([rows.flatten(), cols.flatten()], dim=1)
+    width = pairs[pairs[:, 0] != pairs[:, 1]].shape[0]  # 30
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 4))
+    with torch.no_grad():
+        keep = model[0].weight[0] > 0  # unknown values: every column assumed, as the step's recorder does
+        model[0].weight[:, keep] = model[0].weight[:, keep] * 0.5
+    return model, (torch.randn(batch_size, 16),)
+
+
+def test_mask_indexing_while_building():
+    """Advanced indexing by a bool mask runs a data-dependent nonzero in the fake kernels: the factory
+    failed ("raised DynamicOutputShapeException: aten.nonzero.default"); now the mask is replaced by its
+    indices, from its values where known, else every element (approximate)."""
+    predicted, _ = _check(mask_indexed_while_building)
+    assert predicted.approximate and "aten.nonzero.default" in predicted.approximate_ops
+
+
 def truncated_normal_init(batch_size: int = 2):
     """timm / Hugging Face (ModernBERT) initialisation: nn.init.trunc_normal_, which torch 2.13
     rejection-samples until `not ((w < a) | (w > b)).any()`, reading random values back."""
@@ -1364,3 +1386,40 @@ def test_batch_norm_without_affine_keeps_float_statistics_under_autocast(precisi
         return net, (torch.randn(batch_size, 3, 8, 8),)
 
     _check(conv_then_plain_norm, precision=precision, optimizer="sgd")
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters re-registered while the model's modules are listed
+
+
+class _ReRegistering(nn.Module):
+    """As peft's LoRA over nn.MultiheadAttention: listing its modules (named_modules, which modules()
+    and the step's conversion call) re-registers its projection's frozen weight as a new Parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 48, bias=False)
+        self.proj.weight.requires_grad_(False)  # frozen, as peft's base weights
+
+    def named_modules(self, *args, **kwargs):
+        weight = self.proj.weight
+        del self.proj.weight
+        self.proj.register_parameter("weight", nn.Parameter(weight.data, requires_grad=weight.requires_grad))
+        return super().named_modules(*args, **kwargs)
+
+    def forward(self, x):
+        return self.proj(x)[..., :16]
+
+
+def re_registering_weights(batch_size: int = 2):
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(16, 32), nn.Linear(32, 16), _ReRegistering())])
+    return model, (torch.randn(batch_size, 16),)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_weights_re_registered_while_converting_keep_their_own_tensors(precision):
+    """The step's conversion cached each tensor's conversion by id() without keeping the tensor alive:
+    a Parameter re-registered while the modules were listed could take the id of one just replaced and
+    be handed its conversion, another layer's weight (peft's LoRA over nn.MultiheadAttention failed
+    its step: "The size of tensor a (128) must match the size of tensor b (192)")."""
+    _check(re_registering_weights, precision=precision, optimizer="sgd")
