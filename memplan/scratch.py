@@ -32,6 +32,7 @@ cuBLAS-Lt workspaces are chosen at run time and are left to the device model.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import math
@@ -175,6 +176,27 @@ def _storage_key(t: torch.Tensor) -> int:
 # Probing allocates real copies of an op's operands; beyond this many bytes the rule gives up (0).
 PROBE_LIMIT_BYTES = 1 << 30
 _PROBED: dict[tuple, int] = {}
+# Mapped bytes glibc keeps above the top of its heap (mallopt M_TOP_PAD) once a probe has run. oneDNN's
+# bf16 conv3d backward over a gradient laid out (N, D, C, H, W) (the gradient of a permute: diffusers'
+# UNet3DConditionModel temporal convolutions) reads a few bytes past the end of a buffer it allocates
+# itself; a probe's fresh allocations put that buffer at the top of the heap, where the read hits an
+# unmapped page: the estimate died with a segfault in most runs (eager's step, whose buffers lie
+# elsewhere, rarely). Kept headroom, the read lands in the heap's own free space.
+HEAP_TOP_PAD_BYTES = 1 << 20
+_M_TOP_PAD = -2  # glibc malloc.h
+_heap_padded = False
+
+
+def _pad_heap_top() -> None:
+    global _heap_padded
+    if _heap_padded:
+        return
+    _heap_padded = True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # glibc (and musl); absent elsewhere (macOS): nothing to do
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_TOP_PAD, HEAP_TOP_PAD_BYTES)
 
 
 def probe_scratch(func: Any, args: tuple, kwargs: dict,
@@ -206,6 +228,8 @@ def probe_scratch(func: Any, args: tuple, kwargs: dict,
                       "is running); counted as 0", stacklevel=2)
         return 0
     from torch.utils._python_dispatch import _disable_current_modes
+
+    _pad_heap_top()
 
     def setup() -> tuple[tuple, dict]:
         real_storages = [torch.zeros(max(n, 1), dtype=torch.uint8).untyped_storage() for n in sizes]

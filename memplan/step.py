@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memplan.errors import BadInput
 from memplan.optim8bit import AdamW8bitLayout
@@ -210,7 +211,11 @@ def convert_module(model: nn.Module, device: torch.device, precision: Precision)
 
 
 def convert_inputs(inputs: tuple | dict, device: torch.device, precision: Precision) -> tuple | dict:
-    """Move inputs; floating inputs take the model's dtype (autocast precisions keep them fp32)."""
+    """Move inputs; floating inputs take the model's dtype (autocast precisions keep them fp32). Tensors
+    nested in lists, tuples and dicts are converted too: left as built, a pure-bf16 step failed where a
+    nested float32 tensor met bf16 weights (a diffusion wrapper taking its text embeddings in a tuple of
+    conditions), and diffusers' SDXL UNet kept `added_cond_kwargs={"text_embeds", "time_ids"}` in float32
+    (its training script casts them to the weights' dtype)."""
 
     def convert(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -219,8 +224,8 @@ def convert_inputs(inputs: tuple | dict, device: torch.device, precision: Precis
         return value
 
     if isinstance(inputs, dict):
-        return {k: convert(v) for k, v in inputs.items()}
-    return tuple(convert(v) for v in inputs)
+        return {k: tree_map(convert, v) for k, v in inputs.items()}
+    return tuple(tree_map(convert, v) for v in inputs)
 
 
 _COMPRESSED_PARTS = {

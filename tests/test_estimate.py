@@ -91,6 +91,44 @@ def test_frozen_parameters_get_no_gradient_or_state():
     assert at_optimizer_peak.gradients == 4 * 520
 
 
+class _AddedConditions(nn.Module):
+    """A UNet's added-condition path as diffusers' SDXL UNet takes it: `added_cond_kwargs`, a dict of tensors
+    nested in the keyword inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.add = nn.Linear(8, 16)
+
+    def forward(self, x, added_cond_kwargs):
+        return (self.body(x) + self.add(added_cond_kwargs["time_ids"])).pow(2).mean()
+
+
+def _nested_inputs(batch_size=2):
+    return _AddedConditions(), {"x": torch.randn(batch_size, 16),
+                                "added_cond_kwargs": {"time_ids": torch.randn(batch_size, 8), "steps": [torch.arange(3)]}}
+
+
+def test_nested_inputs_are_cast_and_moved_like_flat_ones():
+    """Tensors nested in the inputs (lists, tuples, dicts) take the precision's dtype and the device as flat
+    ones do, integer ones keeping theirs: a pure-bf16 step failed in the estimate and in the measurement
+    where a nested float32 tensor met bf16 weights."""
+    from memplan.step import PRECISIONS, convert_inputs
+
+    _, inputs = _nested_inputs()
+    converted = convert_inputs(inputs, torch.device("meta"), PRECISIONS["bf16"])
+    assert converted["added_cond_kwargs"]["time_ids"].dtype == torch.bfloat16
+    assert converted["added_cond_kwargs"]["time_ids"].device.type == "meta"
+    assert converted["added_cond_kwargs"]["steps"][0].dtype == torch.int64
+    assert converted["added_cond_kwargs"]["steps"][0].device.type == "meta"
+    workload = Workload("nested", _nested_inputs, 2, {})
+    config = StepConfig(precision="bf16", optimizer="sgd", steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    measured = measure(workload, config, device="cpu")
+    assert predicted.peak_bytes == measured.measured_peak_bytes
+    assert dict(predicted.phase_peaks) == dict(measured.phase_peaks)
+
+
 def test_llama2_7b_fp32_weights_are_four_bytes_per_published_parameter():
     workload = resolve_workload("llama2-7b", 1, {"seq_len": 8})
     result = estimate(workload, StepConfig(optimizer="sgd", steps=1), device="cpu")

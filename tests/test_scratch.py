@@ -423,3 +423,35 @@ def test_unfold_backward(shape, dim, size, step):
     """Overlapping windows (istft's overlap-add) sum through an index over what they cover; apart, none."""
     grad = torch.randn(shape).unfold(dim, size, step).contiguous()
     check(aten.unfold_backward.default, lambda: (grad.clone(), list(shape), dim, size, step))
+
+
+_CONV3D_BACKWARD_PROBES = """
+import torch
+import memplan.scratch as S
+from torch._subclasses.fake_tensor import FakeTensorMode
+torch.set_num_threads(1)
+with FakeTensorMode():  # a temporal convolution's gradient, laid out (N, D, C, H, W) by a permute
+    grad = torch.empty(2, 2, 32, 16, 16, dtype=torch.bfloat16).permute(0, 2, 1, 3, 4)
+    x = torch.empty(2, 32, 2, 16, 16, dtype=torch.bfloat16)
+    w = torch.empty(32, 32, 3, 1, 1, dtype=torch.bfloat16)
+args = (grad, x, w, [32], [1, 1, 1], [1, 0, 0], [1, 1, 1], False, [0, 0, 0], 1, [True, True, True])
+for _ in range(300):
+    S._PROBED.clear()
+    S.probe_scratch(torch.ops.aten.convolution_backward.default, args, {})
+print("probed")
+"""
+
+
+def test_probing_a_kernel_that_reads_past_its_own_buffer_does_not_crash():
+    """oneDNN's bf16 conv3d backward over a permuted gradient reads past the end of a buffer it allocates
+    itself; at the top of a freshly grown heap that is an unmapped page, and the estimate of diffusers'
+    UNet3DConditionModel in bf16 died with a segfault (7 of 7 runs of this loop). The probe keeps mapped
+    headroom above the heap (memplan.scratch.HEAP_TOP_PAD_BYTES)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", _CONV3D_BACKWARD_PROBES], check=False, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and "probed" in done.stdout, (done.returncode, done.stderr[-2000:])
