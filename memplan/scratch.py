@@ -184,14 +184,10 @@ _PROBED: dict[tuple, int] = {}
 # elsewhere, rarely). Kept headroom, the read lands in the heap's own free space.
 HEAP_TOP_PAD_BYTES = 1 << 20
 _M_TOP_PAD = -2  # glibc malloc.h
-_heap_padded = False
 
 
+@functools.cache  # once per process
 def _pad_heap_top() -> None:
-    global _heap_padded
-    if _heap_padded:
-        return
-    _heap_padded = True
     try:
         mallopt = ctypes.CDLL(None).mallopt  # glibc (and musl); absent elsewhere (macOS): nothing to do
     except (OSError, AttributeError):
