@@ -723,27 +723,11 @@ class _Recorder(TorchDispatchMode):
         return 1
 
     def _masks_as_indices(self, func: Any, args: tuple) -> tuple[tuple, int]:
-        """`_MASK_INDEXED`'s arguments with each bool or uint8 index replaced by the indices of its true
-        elements (exact where the mask's values are known, else every element), and the bytes of those
-        indices, which the kernel holds while it runs. `x[mask] = scalar` is a masked fill and holds
-        none (TensorAdvancedIndexing.cpp _index_put_impl_: canDispatchToMaskedFill)."""
-        indices = args[1]
-        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
-            return args, 0
-        accumulate = len(args) > 3 and args[3]
-        masks = [i for i in indices if i is not None]
-        if func is not torch.ops.aten.index.Tensor and not accumulate and len(masks) == 1 \
-                and masks[0].dtype == torch.bool and args[2].numel() == 1:
-            return args, 0
-        expanded, held = [], 0
-        for index in indices:
-            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
-                where = self._data_dependent(torch.ops.aten.nonzero.default, (index,), {})
-                held += where.untyped_storage().nbytes()
-                expanded.extend(where.select(1, d) for d in range(index.dim()))
-            else:
-                expanded.append(index)
-        return (args[0], expanded, *args[2:]), held
+        """_masks_as_indices's arguments, with each mask's indices exact where its values are known, else
+        every element; and the bytes of those indices, which the kernel holds while it runs."""
+        nonzero = torch.ops.aten.nonzero.default
+        indexed, made = _masks_as_indices(func, args, lambda mask: self._data_dependent(nonzero, (mask,), {}))
+        return indexed, sum(where.untyped_storage().nbytes() for where in made)
 
     def _balanced_split(self, args: tuple) -> tuple:
         """split_with_sizes whose sizes do not add up to the dimension, after integers were read back from
@@ -1709,7 +1693,7 @@ class _ConstantShadows(TorchDispatchMode):
             if real is not None:  # from known values (timm's RegNet: torch.unique over widths): as the values say
                 return self.values.fakes_of(real, inputs[0].device)
         if func in _MASK_INDEXED:
-            args = self._masks_as_indices(func, args)
+            args = _masks_as_indices(func, args, self._nonzero)[0]
         out = func(*args, **kwargs)
         flat_out = tree_flatten(out)[0]
         if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
@@ -1720,34 +1704,41 @@ class _ConstantShadows(TorchDispatchMode):
         return out
 
 
-    def _masks_as_indices(self, func: Any, args: tuple) -> tuple:
-        """`_MASK_INDEXED`'s arguments with each bool or uint8 mask replaced by the indices of its true
-        elements, as eager's kernels do and the fake kernels cannot (a data-dependent nonzero): exact where
-        the mask's values are known (peft's FRoD: `indices[indices[:, 0] != indices[:, 1]]` over a meshgrid
-        of aranges; UniLoRA: `x[counts > 0]` over a bincount of indices drawn for real), else every
-        element, as the step's recorder assumes (approximate). `x[mask] = scalar` is a masked fill, which
-        the fake kernels run as it is."""
-        indices = args[1]
-        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
-            return args
-        masks = [i for i in indices if i is not None]
-        accumulate = len(args) > 3 and args[3]
-        if func is not torch.ops.aten.index.Tensor and not accumulate and len(masks) == 1 \
-                and masks[0].dtype == torch.bool and args[2].numel() == 1:
-            return args
-        expanded = []
-        for index in indices:
-            if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
-                real = self.values.compute(torch.ops.aten.nonzero.default, (index,), {}, [])
-                if real is None:  # every element, in order
-                    self.approximate.append(str(torch.ops.aten.nonzero.default))
-                    with _disable_current_modes():
-                        real = torch.ones(index.shape, dtype=torch.bool).nonzero()
-                where = self.values.fakes_of(real, index.device)
-                expanded.extend(where.select(1, d) for d in range(index.dim()))
-            else:
-                expanded.append(index)
-        return (args[0], expanded, *args[2:])
+    def _nonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        """A mask's indices: exact where its values are known (peft's FRoD: `indices[indices[:, 0] !=
+        indices[:, 1]]` over a meshgrid of aranges; UniLoRA: `x[counts > 0]` over a bincount of indices
+        drawn for real), else every element, as the step's recorder assumes (approximate)."""
+        real = self.values.compute(torch.ops.aten.nonzero.default, (mask,), {}, [])
+        if real is None:  # every element, in order
+            self.approximate.append(str(torch.ops.aten.nonzero.default))
+            with _disable_current_modes():
+                real = torch.ones(mask.shape, dtype=torch.bool).nonzero()
+        return self.values.fakes_of(real, mask.device)
+
+
+def _masks_as_indices(func: Any, args: tuple, nonzero: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> tuple[tuple, list[torch.Tensor]]:
+    """`_MASK_INDEXED`'s arguments with each bool or uint8 index replaced by the indices of its true
+    elements (`nonzero(mask)`), as eager's kernels do and the fake kernels cannot (a data-dependent
+    nonzero); and those indices. `x[mask] = scalar` is a masked fill, run as it is, and makes none
+    (TensorAdvancedIndexing.cpp _index_put_impl_: canDispatchToMaskedFill)."""
+    indices = args[1]
+    if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return args, []
+    accumulate = len(args) > 3 and args[3]
+    masks = [i for i in indices if i is not None]
+    if func is not torch.ops.aten.index.Tensor and not accumulate and len(masks) == 1 \
+            and masks[0].dtype == torch.bool and args[2].numel() == 1:
+        return args, []
+    expanded, made = [], []
+    for index in indices:
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+            where = nonzero(index)
+            made.append(where)
+            expanded.extend(where.select(1, d) for d in range(index.dim()))
+        else:
+            expanded.append(index)
+    return (args[0], expanded, *args[2:]), made
 
 
 def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
