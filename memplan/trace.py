@@ -1703,7 +1703,6 @@ class _ConstantShadows(TorchDispatchMode):
             self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
 
-
     def _nonzero(self, mask: torch.Tensor) -> torch.Tensor:
         """A mask's indices: exact where its values are known (peft's FRoD: `indices[indices[:, 0] !=
         indices[:, 1]]` over a meshgrid of aranges; UniLoRA: `x[counts > 0]` over a bincount of indices

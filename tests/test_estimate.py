@@ -236,7 +236,6 @@ def test_cuda_traces_use_the_fused_attention_cuda_picks(precision, kernel):
                    for op in cpu_trace.ops)
 
 
-
 @pytest.mark.parametrize("precision, noise_bytes", [("fp32", 4), ("bf16", 2)])
 def test_cuda_dropout_saves_a_bool_mask_where_the_cpu_saves_noise(precision, noise_bytes):
     """Dropout.cpp: on CUDA, native_dropout keeps a one-byte bool mask for backward; the CPU's composite

@@ -450,8 +450,10 @@ def test_probing_a_kernel_that_reads_past_its_own_buffer_does_not_crash():
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    repository = str(Path(__file__).resolve().parents[1])  # wherever pytest runs from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repository, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", _CONV3D_BACKWARD_PROBES], check=False, capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0 and "probed" in done.stdout, (done.returncode, done.stderr[-2000:])

@@ -709,7 +709,6 @@ def test_known_values_under_tracing():
         assert float(unknown[0, 0]) == 1.0  # a value nobody knows reads as 1
 
 
-
 def masked_rows(batch_size: int = 4, kind: str = "select", known: bool = True):
     """Indexing by a bool mask (a loss over the valid tokens, X-MOD's `hidden[lang_ids == i]`, GLPN's
     `target[target > 0]`): eager's kernels index by the mask's nonzero(), which the fake kernels do
