@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 from pathlib import Path
 
 from tabulate import tabulate
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--cuts", default="0.25,0.5,0.75", help="fractions of activation memory to save")
     parser.add_argument("--max-group", type=int, default=12, help="longest run of siblings")
     parser.add_argument("--identical", action="store_true", help="all blocks alike (a stack of equal layers)")
-    parser.add_argument("--milp-time-limit", type=float, default=60.0)
+    parser.add_argument("--milp-time-limit", type=float, default=60.0, help="seconds for the MILP per problem")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nested", action="store_true", help="blocks of 4..8 submodules, as the planner builds")
     parser.add_argument("--no-milp", action="store_true", help="time the DP alone")
@@ -85,7 +86,7 @@ def main() -> None:
             rng = random.Random(args.seed * 1000 + n)
             problem = random_nested(rng, n, cut) if args.nested else random_chain(rng, n, cut, args.max_group, args.identical)
             dp = solve_chain_dp(problem)
-            milp = None if args.no_milp else solve_milp(problem, time_limit_s=args.milp_time_limit)
+            milp = None if args.no_milp else solve_milp(problem, deadline=time.perf_counter() + args.milp_time_limit)
             segments = sum(len(paths) for paths in dp.segments)
             rows.append(
                 (

@@ -52,6 +52,10 @@ from memplan.errors import BadInput, MemplanError
 
 OBJECTIVES = ("flops", "seconds")
 BRUTE_FORCE_MAX_BLOCKS = 16
+# Each of the MILP's HiGHS solves stops at the caller's deadline, but gets at least a second (a solve
+# begun at the deadline still has a chance at a selection) and, without a deadline, at most a minute.
+MILP_MIN_SOLVE_S = 1.0
+MILP_MAX_SOLVE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -495,9 +499,11 @@ class _Item:
     atoms: tuple[int, ...]  # the blocks it covers; chosen items must not share any
 
 
-def solve_milp(problem: ChainProblem, objective: str = "flops", time_limit_s: float | None = 60.0) -> Solution:
+def solve_milp(problem: ChainProblem, objective: str = "flops", deadline: float | None = None) -> Solution:
     """The cheapest fitting selection by MILP; optimality_gap is HiGHS's relative gap (0.0: proven optimal,
-    more when it stopped at the time limit, per solve, with the best selection found).
+    more when it stopped at its time limit with the best selection found; None when it stopped with none,
+    and the selection is empty, or the lowest-peak one when nothing fits). Each HiGHS solve stops at
+    `deadline` (a time.perf_counter() reading), within MILP_MIN_SOLVE_S and MILP_MAX_SOLVE_S.
 
     Binary z_s per item, continuous X for the segment being recomputed at the peak:
         min Σ cost_s z_s
@@ -540,21 +546,25 @@ def solve_milp(problem: ChainProblem, objective: str = "flops", time_limit_s: fl
     max_term = LinearConstraint(saved_at, -np.inf, 0)
     integrality = np.r_[np.ones(m), 0]
     bounds = Bounds(0, np.r_[np.ones(m), np.inf])
-    options = {"mip_rel_gap": 0.0, **({"time_limit": time_limit_s} if time_limit_s is not None else {})}
 
     def solve(objective_row: np.ndarray, delta_limit_bytes: float | None):
         constraints = [no_overlap, max_term]
         if delta_limit_bytes is not None:
             # + half a byte: byte counts are integers, so this admits exactly the selections that fit
             constraints.append(LinearConstraint(delta, -np.inf, (delta_limit_bytes + 0.5) / unit))
+        left = MILP_MAX_SOLVE_S if deadline is None else deadline - time.perf_counter()
+        options = {"mip_rel_gap": 0.0, "time_limit": min(MILP_MAX_SOLVE_S, max(MILP_MIN_SOLVE_S, left))}
         with highs_stdout_to_stderr():
             result = milp(
                 objective_row, integrality=integrality, bounds=bounds, constraints=constraints, options=options
             )
-        if result.x is None and result.status != 2:
+        if result.x is None and result.status not in (1, 2):  # 1: time limit; 2: infeasible
             raise MemplanError(f"the MILP solver stopped without a solution: {result.message}")
         chosen = [] if result.x is None else [s for s in range(m) if result.x[s] > 0.5]
         return result, chosen
+
+    def gap(result) -> float | None:
+        return None if result.x is None else getattr(result, "mip_gap", None)
 
     cost_row = np.r_[[i.cost * cost_scale for i in items], 0.0]
     result, chosen = solve(cost_row, problem.budget_bytes - problem.fixed_bytes - base)
@@ -563,7 +573,9 @@ def solve_milp(problem: ChainProblem, objective: str = "flops", time_limit_s: fl
         reached = sum(items[s].input_bytes - items[s].saved_bytes for s in lowest)
         reached += max((items[s].saved_bytes for s in lowest), default=0)
         result, chosen = solve(cost_row, reached)
-    return _chain_solution(problem, "milp", [spans[s] for s in chosen], started, getattr(result, "mip_gap", None))
+        if result.x is None:  # out of time: the lowest selection found, unpriced
+            return _chain_solution(problem, "milp", [spans[s] for s in lowest], started, None)
+    return _chain_solution(problem, "milp", [spans[s] for s in chosen], started, gap(result))
 
 
 @contextlib.contextmanager
@@ -592,17 +604,17 @@ def _chain_items(problem: ChainProblem, costs: list[float]) -> tuple[list[tuple[
 # Baselines, judged by the same model
 
 
-def no_checkpoint(problem: ChainProblem, objective: str = "flops") -> Solution:
+def no_checkpoint(problem: ChainProblem, objective: str = "flops", deadline: float | None = None) -> Solution:
     return _chain_solution(problem, "none", [], time.perf_counter())
 
 
-def every_block(problem: ChainProblem, objective: str = "flops") -> Solution:
+def every_block(problem: ChainProblem, objective: str = "flops", deadline: float | None = None) -> Solution:
     started = time.perf_counter()
     _require_groups(problem, "every-block")
     return _chain_solution(problem, "every-block", [(i, i) for i in range(len(problem.blocks))], started)
 
 
-def sqrt_n(problem: ChainProblem, objective: str = "flops") -> Solution:
+def sqrt_n(problem: ChainProblem, objective: str = "flops", deadline: float | None = None) -> Solution:
     """Chen et al. 2016 ("Training deep nets with sublinear memory cost"): segments of about √n consecutive
     blocks, all checkpointed; a segment that would cross a group boundary is split there."""
     started = time.perf_counter()
@@ -613,11 +625,16 @@ def sqrt_n(problem: ChainProblem, objective: str = "flops") -> Solution:
     return _chain_solution(problem, "sqrt-n", _split_at_groups(problem, pieces), started)
 
 
-def uniform_k(problem: ChainProblem, k: int, objective: str = "flops") -> Solution:
+def uniform_k(
+    problem: ChainProblem, k: int | None = None, objective: str = "flops", deadline: float | None = None
+) -> Solution:
     """What torch.utils.checkpoint.checkpoint_sequential(blocks, k) does: k segments of n // k blocks, the first
-    k - 1 checkpointed and the last (with the remainder) run normally; split at group boundaries."""
+    k - 1 checkpointed and the last (with the remainder) run normally; split at group boundaries.
+    k defaults to about √n."""
     started = time.perf_counter()
     _require_groups(problem, "uniform-k")
+    if k is None:
+        k = max(1, round(math.sqrt(len(problem.blocks))))
     if k < 1:
         raise BadInput(f"uniform-k needs k >= 1, got {k}")
     size = len(problem.blocks) // k
@@ -645,7 +662,7 @@ def _split_at_groups(problem: ChainProblem, pieces: list[tuple[int, int]]) -> li
 # Brute force, the tests' reference
 
 
-def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
+def brute_force(problem: ChainProblem, objective: str = "flops", deadline: float | None = None) -> Solution:
     """Every selection, depth first: at each block, keep it or start any allowed segment there.
     Memory, largest segment and cost are carried along, so each selection costs O(1) beyond its parent."""
     started = time.perf_counter()
@@ -681,12 +698,14 @@ def brute_force(problem: ChainProblem, objective: str = "flops") -> Solution:
     return _chain_solution(problem, "brute-force", best_spans, started, optimality_gap=0.0)
 
 
+# Every solver takes (problem, objective, deadline). Only the searches (optimal-dp, milp) need the deadline:
+# the baselines are instant, and brute force, the tests' oracle, takes at most BRUTE_FORCE_MAX_BLOCKS.
 SOLVERS: dict[str, Callable[..., Solution]] = {
     "optimal-dp": solve_chain_dp,
     "milp": solve_milp,
     "none": no_checkpoint,
     "every-block": every_block,
     "sqrt-n": sqrt_n,
-    "uniform-k": uniform_k,  # needs k=
+    "uniform-k": uniform_k,
     "brute-force": brute_force,
 }

@@ -2,9 +2,11 @@
 
 import random
 import sys
+import time
 
 import pytest
 
+from memplan import solvers
 from memplan.errors import BadInput
 from memplan.solvers import (
     SOLVERS,
@@ -299,14 +301,32 @@ def test_bad_inputs_are_rejected():
 def test_empty_chain():
     problem = ChainProblem((), 100, 200)
     for name, solve in SOLVERS.items():
-        solution = solve(problem, k=2) if name == "uniform-k" else solve(problem)
+        solution = solve(problem)
         assert solution.segments == () and solution.feasible and solution.modelled_peak_bytes == 100
 
 
 def test_registry_names_match_methods():
     problem = next(random_chains(seed=8, count=1, sizes=range(6, 7)))
     for name, solve in SOLVERS.items():
-        assert (solve(problem, k=2) if name == "uniform-k" else solve(problem)).method == name
+        assert solve(problem).method == name
+
+
+def test_milp_out_of_time_returns_what_it_has_and_no_gap(monkeypatch):
+    """HiGHS stopped by the deadline before any selection: an empty one with no gap, not an error; given
+    time, the MILP proves the DP's optimum."""
+    monkeypatch.setattr(solvers, "MILP_MIN_SOLVE_S", 0.0)
+    out_of_time = 0
+    for problem in random_chains(seed=21, count=10, sizes=range(8, 13)):
+        optimum = solve_chain_dp(problem).recompute_flops
+        hurried = solve_milp(problem, deadline=time.perf_counter() - 1.0)
+        if hurried.optimality_gap is None:  # HiGHS's presolve alone solves some of these
+            assert hurried.segments == ()
+            out_of_time += 1
+        else:
+            assert hurried.optimality_gap == 0.0 and hurried.recompute_flops == optimum
+        given_time = solve_milp(problem, deadline=time.perf_counter() + 30.0)
+        assert given_time.optimality_gap == 0.0 and given_time.recompute_flops == optimum
+    assert out_of_time > 0
 
 
 def test_milp_without_scipy_says_how_to_get_it(monkeypatch):
