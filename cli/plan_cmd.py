@@ -190,6 +190,7 @@ def plan_command(
             "method": plan.method,
             "peak_floor_bytes": floor.peak_bytes,
             "peak_floor_op": floor.op,
+            "peak_floor_phase": floor.phase,
             "segments": [
                 {"modules": list(s.modules), "policy": s.policy, "saved_ops": list(s.saved_ops)} for s in plan.segments
             ],
@@ -233,7 +234,7 @@ def plan_command(
         if floor.peak_bytes > budget_bytes:
             raise DoesNotFit(
                 f"does not fit: no checkpoint plan brings the peak under {format_bytes(budget_bytes)}; {reached}; "
-                f"none can: at {floor.op} backward holds {format_bytes(floor.peak_bytes)} whatever is recomputed")
+                f"none can: at {floor.op} in {floor.phase} the step holds {format_bytes(floor.peak_bytes)} whatever is recomputed")
         # the floor proves nothing here: a plan the planners do not consider could lie between
         raise DoesNotFit(
             f"does not fit: no plan found brings the peak under {format_bytes(budget_bytes)}; {reached}; "

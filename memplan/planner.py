@@ -37,7 +37,7 @@ from memplan.devices import DeviceModel, device_model
 from memplan.estimate import Estimate, eager_events, estimate, in_place_sums, opened_workspace
 from memplan.plan import Plan, Segment
 from memplan.replay import Timeline, estimate_replayed
-from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span, solve_chain_dp
+from memplan.solvers import SOLVERS, Block, ChainProblem, Solution, Span
 from memplan.step import StepConfig
 from memplan.timing import TimeModel, op_seconds, recompute_seconds, time_model_for
 from memplan.trace import ModuleCall, Op, Trace, drawn
@@ -309,7 +309,8 @@ def unsafe_reason(
         return f"recomputing {failed} failed the estimate ({refused[failed]})"
     rerun = _within(trace.rerun_in_backward, members)
     if rerun is not None:
-        return f"{rerun or 'the model'} runs again in backward: the model checkpoints it itself"
+        return (f"{rerun or 'the model'} runs again in backward: the model checkpoints it itself (turn that off to let "
+                "memplan plan it; transformers, diffusers: model.gradient_checkpointing_disable())")
     stored = next((c.stores_into for c in members if c.stores_into), "")
     if stored:
         # transformers' models hand their layers a cache in training too, unless built with use_cache=False
@@ -417,6 +418,7 @@ class Floor:
 
     peak_bytes: int
     op: str  # the backward or optimizer op that sets it
+    phase: str = ""  # its phase: backward or optimizer
 
 
 PERSISTENT_ROLES = ("weights", "inputs", "optimizer_state", "gradients")
@@ -558,7 +560,7 @@ def peak_floor(trace: Trace, device: DeviceModel | None = None) -> Floor:
         )
         total = live + extra + op.scratch_bytes
         if total > best.peak_bytes:
-            best = Floor(total, op.name)
+            best = Floor(total, op.name, op.phase)
     return best
 
 
@@ -676,7 +678,7 @@ def _plan_checkpoints(
         if method in EXACT_METHODS and candidates.blocks:
             # The cost model can be pessimistic where a baseline's plan fits: every baseline is a candidate.
             for baseline in BASELINES:
-                loop.outcome(candidate(_solve(baseline, chain(budget_bytes))))
+                loop.outcome(candidate(SOLVERS[baseline](chain(budget_bytes))))
         searched.update(loop.realised)
         return list(loop.realised.values())
 
@@ -686,7 +688,7 @@ def _plan_checkpoints(
 
     def solve_at(budget: int) -> Solution:
         if budget not in solved:
-            solved[budget] = _solve(method, problem_at(budget), deadline)
+            solved[budget] = SOLVERS[method](problem_at(budget), deadline=deadline)
         return solved[budget]
 
     searched: dict[tuple[Segment, ...], Outcome[Solution]] = {}
@@ -713,20 +715,11 @@ def _plan_checkpoints(
                    key=lambda o: o.planned.peak_bytes)
         if method in EXACT_METHODS and best.plan.segments and best.planned.peak_bytes >= unplanned.peak_bytes:
             # no plan reached below the step without checkpoints: that is the lowest, and recomputes nothing
-            none = candidate(_solve("none", chain(budget_bytes)))
+            none = candidate(SOLVERS["none"](chain(budget_bytes)))
             best = Outcome(*re_estimate(none.draft), none.solution)
     if best.plan.method != method and best.plan.method in BASELINES:
         best = replace(best, plan=replace(best.plan, method=f"{method} (via {best.plan.method})"))
     return PlanResult(best.plan, unplanned, best.planned, candidates, best.solution, peak_floor(trace, allocator))
-
-
-def _solve(method: str, problem: ChainProblem, deadline: float | None = None) -> Solution:
-    """`deadline` (a time.perf_counter() reading) bounds the exact DP, which then returns a plan with its gap."""
-    if method == "uniform-k":
-        return SOLVERS[method](problem, k=max(1, round(len(problem.blocks) ** 0.5)))
-    if method == "optimal-dp":
-        return solve_chain_dp(problem, deadline=deadline)
-    return SOLVERS[method](problem)
 
 
 def plan_segments(chosen: Sequence[tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
@@ -818,12 +811,16 @@ def alternatives(
 ) -> tuple[Alternative, ...]:
     """What would fit instead: a smaller micro-batch with gradient accumulation giving the same
     effective batch, a lower precision, a lighter optimizer — each re-estimated."""
-    def peak_of(changed_workload: Workload, changed_config: StepConfig) -> int | None:
-        """The re-estimated peak; None where the model cannot run that way (see MODEL_CANNOT_RUN)."""
+    def estimate_of(changed_workload: Workload, changed_config: StepConfig) -> Estimate | None:
+        """The re-estimate; None where the model cannot run that way (see MODEL_CANNOT_RUN)."""
         try:
-            return estimate(changed_workload, changed_config, device, gpu=gpu).peak_bytes
+            return estimate(changed_workload, changed_config, device, gpu=gpu)
         except MODEL_CANNOT_RUN:
             return None
+
+    def peak_of(changed_workload: Workload, changed_config: StepConfig) -> int | None:
+        changed = estimate_of(changed_workload, changed_config)
+        return None if changed is None else changed.peak_bytes
 
     found = []
     batch = workload.effective_batch_size
@@ -831,12 +828,16 @@ def alternatives(
         for divisor in (d for d in range(2, batch + 1) if batch % d == 0):
             smaller = replace(workload, batch_size=batch // divisor)
             accum = replace(config, grad_accum=config.grad_accum * divisor)
-            peak = peak_of(smaller, accum)
-            if peak is not None and peak <= budget_bytes:
+            changed = estimate_of(smaller, accum)
+            if changed is None:
+                continue
+            if changed.peak_bytes <= budget_bytes:
                 found.append(Alternative(
                     f"micro-batch {batch // divisor} x grad-accum {accum.grad_accum} (same effective batch)",
-                    batch // divisor, accum.grad_accum, config.precision, config.optimizer, peak))
+                    batch // divisor, accum.grad_accum, config.precision, config.optimizer, changed.peak_bytes))
                 break
+            if _held_by_any_micro_batch(changed) > budget_bytes:
+                break  # (and the smaller micro-batches trace longer)
     for description, changed in (
         ("precision", replace(config, precision=LOWER_PRECISIONS[config.precision]) if config.precision in LOWER_PRECISIONS else None),
         ("optimizer", replace(config, optimizer=LIGHTER_OPTIMIZERS[config.optimizer]) if config.optimizer in LIGHTER_OPTIMIZERS else None),
@@ -848,6 +849,14 @@ def alternatives(
             what = changed.precision if description == "precision" else changed.optimizer
             found.append(Alternative(f"{description} {what}", batch, changed.grad_accum, changed.precision, changed.optimizer, peak))
     return tuple(found)
+
+
+def _held_by_any_micro_batch(estimated: Estimate) -> int:
+    """The most weights, gradients and optimizer state live at once: every micro-batch size holds as
+    much at its optimizer step."""
+    at_phase_peaks = estimated.simulation.phase_breakdowns.values() if estimated.simulation else ()
+    moments = (estimated.breakdown, *at_phase_peaks)
+    return max(b.weights + b.gradients + b.optimizer_state for b in moments)
 
 
 @dataclass(frozen=True)
