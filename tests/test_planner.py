@@ -162,7 +162,7 @@ def test_alternatives_skip_a_micro_batch_the_model_cannot_run():
 def test_alternatives_stop_at_the_micro_batch_whose_optimizer_step_alone_is_over(monkeypatch):
     """Weights, gradients and optimizer state are what every micro-batch holds at its optimizer step: once
     they are over the budget, smaller micro-batches (which trace longer) are not tried. None of them fits."""
-    import memplan.planner as planner
+    from memplan import planner
 
     workload = resolve_workload("mlp", 8, TINY_OVERRIDES["mlp"])
     adamw = replace(CONFIG, optimizer="adamw")

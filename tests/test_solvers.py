@@ -300,7 +300,7 @@ def test_bad_inputs_are_rejected():
 
 def test_empty_chain():
     problem = ChainProblem((), 100, 200)
-    for name, solve in SOLVERS.items():
+    for solve in SOLVERS.values():
         solution = solve(problem)
         assert solution.segments == () and solution.feasible and solution.modelled_peak_bytes == 100
 
