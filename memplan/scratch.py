@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memplan.cpu_profiler import quiet_stderr
@@ -223,8 +225,6 @@ def probe_scratch(func: Any, args: tuple, kwargs: dict,
         warnings.warn(f"memplan: cannot measure the scratch of {func} here (operands too large or a profiler "
                       "is running); counted as 0", stacklevel=2)
         return 0
-    from torch.utils._python_dispatch import _disable_current_modes
-
     _pad_heap_top()
 
     def setup() -> tuple[tuple, dict]:
@@ -419,6 +419,51 @@ def _blas_clones(func: Any, args: tuple, out: Any) -> int:
 for _op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addbmm.default,
             aten._addmm_activation.default, aten.addmv.default, aten.mv.default):
     scratch_rule("cpu", _op)(_reduced_precision_matmul(_op))
+
+
+def _mm_out_scratch(first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> int:
+    """One at::mm_out (or bmm_out, for batches) into `out`, as _reduced_precision_matmul counts mm."""
+    func = aten.bmm.out if first.dim() == 3 else aten.mm.out
+    if first.dtype in _REDUCED:
+        return probe_scratch(func, (first, second), {"out": out})
+    return _blas_clones(aten.bmm.default if first.dim() == 3 else aten.mm.default, (first, second), out)
+
+
+def _group_operands(mat_a: torch.Tensor, mat_b: torch.Tensor, out: torch.Tensor, group: int, start: int,
+                    end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One group's (first, second, out) in _grouped_mm_fallback, whose group spans [start, end) of the
+    tokens: (tokens, k) x (groups, k, n); (groups, m, k) x (k, tokens); or (m, tokens) x (tokens, n),
+    the weights' gradient, one matrix per group."""
+    if mat_b.dim() == 3:
+        return mat_a[start:end], mat_b[group], out[start:end]
+    if mat_a.dim() == 3:
+        return mat_a[group], mat_b[:, start:end], out[:, start:end]
+    return mat_a[:, start:end], mat_b[start:end], out[group]
+
+
+@scratch_rule("cpu", aten._grouped_mm.default)
+def _grouped_mm(args: tuple, kwargs: dict, out: Any) -> int:
+    """aten/src/ATen/native/GroupedMMUtils.h _grouped_mm_fallback, the CPU kernel: one at::mm_out per
+    group, from its slice of the operands into its slice of the output, each freeing its scratch
+    before the next (oneDNN's for bf16/fp16: mixture-of-experts layers in bf16); both operands 3-d,
+    one bmm_out. The groups end at the values of `offs`, which the tracer hands this rule as a real
+    tensor where it knows them (memplan.trace._SCRATCH_READS_VALUES); unknown, every group is bounded
+    by one holding all the rows (and the estimate says approximate)."""
+    mat_a, mat_b = args[:2]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if offs is None:
+        return _mm_out_scratch(mat_a, mat_b, out)
+    if isinstance(offs, FakeTensor):
+        extent = mat_a.shape[0] if mat_b.dim() == 3 else mat_b.shape[1] if mat_a.dim() == 3 else mat_b.shape[0]
+        bounds = [(0, extent)] * offs.shape[0]
+    else:
+        with _disable_current_modes():  # a real tensor: read under the tracer's fake mode, it has no data
+            ends = offs.tolist()
+        bounds = list(zip([0, *ends[:-1]], ends))
+    largest = 0
+    for group, (start, end) in enumerate(bounds):
+        largest = max(largest, _mm_out_scratch(*_group_operands(mat_a, mat_b, out, group, start, end)))
+    return largest
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1013,8 +1058,6 @@ def rnn_workspace_bytes(args: tuple, kwargs: dict) -> int:
     key = ("workspace",) + tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
                                  for t in tree_flatten((args, kwargs))[0]) + (torch.get_num_threads(),)
     if key not in _PROBED:
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.enable_grad():
             real = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t,
                             (args, kwargs))

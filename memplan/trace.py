@@ -37,7 +37,7 @@ from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -71,6 +71,10 @@ _DATA_DEPENDENT = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.
 _SCRATCH_BY_VALUES: dict[Any, Callable[[tuple], bool]] = {
     torch.ops.aten.linalg_matrix_exp.default: lambda args: args[0].shape[:-2].numel() <= 1,
 }
+# Kernels whose internal scratch follows an integer operand's values, which their scratch rule is
+# handed as a real tensor where the trace knows them (else the rule bounds it, and the estimate says
+# approximate): _grouped_mm's groups end at `offs` (one matmul per expert).
+_SCRATCH_READS_VALUES = {torch.ops.aten._grouped_mm.default}
 # Advanced indexing by a bool (or uint8) mask, `x[mask]` and `x[mask] = v`: eager's kernels replace each mask
 # by the indices of its true elements (aten/src/ATen/native/IndexingUtils.h expandTensors: `mask.nonzero()`,
 # held for the op), which the fake kernels do too, below the recorder, where a data-dependent shape fails.
@@ -570,7 +574,10 @@ class _Recorder(TorchDispatchMode):
         if by_sparse_table:
             scratch = sparse_scratch
         else:
-            scratch = int(self.rules.scratch(func, indexed, kwargs, out)) + mask_bytes
+            scratch_args = (indexed, kwargs)
+            if func in _SCRATCH_READS_VALUES:
+                scratch_args = self._with_known_integers(func, indexed, kwargs)
+            scratch = int(self.rules.scratch(func, *scratch_args, out)) + mask_bytes
         if scratch:
             self.events.append(Event("scratch", op=index, nbytes=scratch))
         flops = 0
@@ -728,6 +735,19 @@ class _Recorder(TorchDispatchMode):
         nonzero = torch.ops.aten.nonzero.default
         indexed, made = _masks_as_indices(func, args, lambda mask: self._data_dependent(nonzero, (mask,), {}))
         return indexed, sum(where.untyped_storage().nbytes() for where in made)
+
+    def _with_known_integers(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments, each integer tensor whose values are known replaced by them (a real tensor);
+        where one is not known, the scratch is a bound: approximate."""
+        def known(value: Any) -> Any:
+            if not isinstance(value, FakeTensor) or value.is_floating_point() or value.is_complex():
+                return value
+            real = self.known.value(value)
+            if real is None:
+                self.approximate.append(str(func))
+            return value if real is None else real
+
+        return tree_map(known, (args, kwargs))
 
     def _balanced_split(self, args: tuple) -> tuple:
         """split_with_sizes whose sizes do not add up to the dimension, after integers were read back from

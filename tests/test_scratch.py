@@ -457,3 +457,30 @@ def test_probing_a_kernel_that_reads_past_its_own_buffer_does_not_crash():
     done = subprocess.run([sys.executable, "-c", _CONV3D_BACKWARD_PROBES], check=False, capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0 and "probed" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+_EXPERT_ENDS = [8, 40, 40, 64]  # four experts' tokens: 8, 32, none and 24
+
+
+@pytest.mark.parametrize("make_operands", [
+    lambda: (randn(64, 64, dtype=BF16), randn(4, 128, 64, dtype=BF16).transpose(-2, -1)),  # tokens x experts
+    lambda: (randn(4, 32, 64, dtype=BF16), randn(64, 64, dtype=BF16).T),  # experts x tokens
+    lambda: (randn(64, 128, dtype=BF16).T, randn(64, 64, dtype=BF16)),  # the experts' weight gradients
+], ids=["2d-3d", "3d-2d", "2d-2d"])
+def test_grouped_mm_one_matmul_per_expert(threads, make_operands):
+    """_grouped_mm's CPU kernel runs one matmul per expert, from its tokens: with the experts' ends known,
+    the rule is exact; unknown (fake), it is a bound."""
+    op = aten._grouped_mm.default
+
+    def make_args():
+        return (*make_operands(), torch.tensor(_EXPERT_ENDS, dtype=torch.int32))
+
+    measured = measure(lambda args: op(*args), make_args).extra
+    assert measured > 0
+    first, second, offs = make_args()
+    with FakeTensorMode() as mode:
+        fakes = (mode.from_tensor(first), mode.from_tensor(second))
+        fake_offs = mode.from_tensor(offs)
+        out = op(*fakes, fake_offs)
+        assert RULE(op, (*fakes, offs), {}, out) == measured
+        assert RULE(op, (*fakes, fake_offs), {}, out) >= measured

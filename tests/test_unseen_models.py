@@ -238,6 +238,33 @@ def test_fp32_grouped_mm():
     assert not predicted.approximate
 
 
+def grouped_experts_bf16(batch_size: int = 2):
+    """A mixture of experts in bf16 as transformers 5 runs it on the CPU (torch._grouped_mm, which loops
+    over the experts: one oneDNN matmul each, whose scratch follows the expert's tokens), with uneven
+    groups, one of them empty."""
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Parameter(torch.randn(4, 128, 64) * 0.02)
+            self.down = nn.Parameter(torch.randn(4, 64, 128) * 0.02)
+
+        def forward(self, x, offs):
+            h = F.gelu(torch._grouped_mm(x, self.up.transpose(-2, -1), offs=offs))
+            return torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offs).float().square().mean()
+
+    tokens = 32 * batch_size
+    offs = torch.tensor([tokens // 8, tokens // 2, tokens // 2, tokens], dtype=torch.int32)
+    return Experts(), (torch.randn(tokens, 64), offs)
+
+
+def test_bf16_grouped_mm_counts_each_expert_s_matmul_scratch():
+    """bf16 mixtures of experts (Mixtral, OLMoE in bf16 in benchmarks/hf_architectures.py) were 32-42 KB
+    short in backward: _grouped_mm's per-expert oneDNN scratch was not counted."""
+    predicted, _ = _check(grouped_experts_bf16, precision="bf16")
+    assert not predicted.approximate
+
+
 def test_ctc_loss_with_padded_targets():
     # tolerance: the mean reduction's `nll / target_lengths` is 4 bytes per sample above the eager
     # run at the forward's peak (not yet explained); log_beta alone (117 KB here) is 30% of backward
