@@ -426,6 +426,7 @@ class _Recorder(TorchDispatchMode):
         self.rules = rules
         self.ids: weakref.WeakKeyDictionary[torch.UntypedStorage, int] = weakref.WeakKeyDictionary()
         self.counter = itertools.count()
+        self.finalizers: dict[int, weakref.finalize] = {}  # storage id -> what records its free
         self.ops: list[Op] = []
         self.storages: dict[int, dict[str, Any]] = {}
         self.events: list[Event] = []
@@ -461,7 +462,9 @@ class _Recorder(TorchDispatchMode):
     # -- storages -------------------------------------------------------------------------------
 
     def register(self, tensor: torch.Tensor, role: str, op: int | None = None) -> int:
-        storage = tensor.untyped_storage()
+        return self._register_storage(tensor.untyped_storage(), role, op)
+
+    def _register_storage(self, storage: torch.UntypedStorage, role: str, op: int | None) -> int:
         sid = self.ids.get(storage)
         if sid is None:
             sid = next(self.counter)
@@ -472,9 +475,19 @@ class _Recorder(TorchDispatchMode):
                 "op": op,
                 "module": self.module_stack[-1],
             }
-            weakref.finalize(storage, self._freed, sid)
+            self.finalizers[sid] = weakref.finalize(storage, self._freed, sid)
             if op is not None:
                 self.events.append(Event("alloc", sid, op=op))
+        return sid
+
+    def _regrow(self, storage: torch.UntypedStorage, op: int) -> int:
+        """A storage that op `op` grew (an `out=` tensor too small, `resize_`): eager allocates the new
+        size, copies the old bytes over and frees the old block (c10/core/StorageImpl resize_bytes_cpu),
+        so the op allocates a new storage and frees the old one after."""
+        old = self.ids.pop(storage)
+        self.finalizers.pop(old).detach()
+        sid = self._register_storage(storage, self.storages[old]["role"], op)
+        self.events.append(Event("free", old, op=op))
         return sid
 
     def register_saved_number(self, tensor: torch.Tensor, sequence_nr: int) -> None:
@@ -571,6 +584,8 @@ class _Recorder(TorchDispatchMode):
             storage = part.untyped_storage()
             if storage not in self.ids and storage not in read_storages:
                 allocates.append(self.register(part, "temporaries", index))
+        allocates += [self._regrow(storage, index) for storage in written_storages
+                      if storage in self.ids and storage.nbytes() > self.storages[self.ids[storage]]["nbytes"]]
         if by_sparse_table:
             scratch = sparse_scratch
         else:
