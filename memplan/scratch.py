@@ -283,6 +283,11 @@ for _op in (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.soft_margin
 for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator.default, aten._trilinear.default):
     scratch_rule("cpu", _op)(_probe(_op))
 
+# torch.linalg.lstsq (BatchLinearAlgebra.cpp linalg_lstsq_out_info): a column-major copy of A and LAPACK's
+# workspace, sized by its query, beside the outputs: measured, on zero-filled systems (the sizes do not
+# depend on the values).
+scratch_rule("cpu", aten.linalg_lstsq.default)(_probe(aten.linalg_lstsq.default))
+
 
 @scratch_rule("cpu", aten.unfold_backward.default)
 def _unfold_backward(args: tuple, kwargs: dict, out: Any) -> int:

@@ -16,8 +16,6 @@ from memplan.trace import _lstsq_outputs
 from memplan.verify import measure
 from memplan.workload import Workload
 
-PHASES = ("forward", "backward", "optimizer")
-
 
 def _compare(build, batch_size: int, **kwargs):
     workload = Workload(build.__name__, build, batch_size, kwargs)
@@ -77,14 +75,10 @@ def least_squares(batch_size: int = 64, rows: int = 12, cols: int = 8, grad: boo
 def test_lstsq_square_and_tall_match(rows, grad):
     predicted, measured = _compare(least_squares, 64, rows=rows, grad=grad)
     assert not predicted.approximate  # gelsy, the CPU default: no residuals, whatever the rank
-    a_bytes = 64 * rows * 8 * 4
-    for phase in PHASES:
-        # below by scratch memplan/scratch.py gives no rule for yet, at most twice A's bytes: lstsq's
-        # column-major copy of A and LAPACK's workspace (forward), linalg_pinv's (its backward)
-        missing = measured.phase_peaks[phase] - predicted.phase_peaks[phase]
-        assert 0 <= missing <= 2 * a_bytes, (phase, predicted.phase_peaks, measured.phase_peaks)
-    if rows > 8 or not grad:
-        assert predicted.peak_bytes == measured.measured_peak_bytes
+    # with gradients, lstsq's column-major copy of A and LAPACK's workspace set the forward's peak (17,820 B
+    # short of it for 8 rows before the scratch rule measured them)
+    assert predicted.phase_peaks == measured.phase_peaks
+    assert predicted.peak_bytes == measured.measured_peak_bytes
 
 
 def test_lstsq_residuals_of_full_rank_assumed():
