@@ -214,23 +214,25 @@ def ctc_audio(batch_size: int = 4, targets_2d: bool = True):
                    torch.full((batch_size,), steps, dtype=torch.long), torch.full((batch_size,), target, dtype=torch.long))
 
 
+class _Experts(nn.Module):
+    """transformers 5's mixture-of-experts layers on the CPU: F.grouped_mm (aten._grouped_mm, whose CPU
+    kernel loops over the experts, one matmul each) up and down, forward and backward."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(4, hidden, width) * 0.02)
+        self.down = nn.Parameter(torch.randn(4, width, hidden) * 0.02)
+
+    def forward(self, x, offs):
+        h = F.gelu(F.grouped_mm(x, self.up.transpose(-2, -1), offs=offs))
+        return F.grouped_mm(h, self.down.transpose(-2, -1), offs=offs).float().square().mean()
+
+
 def grouped_experts_fp32(batch_size: int = 2):
-    """transformers 5's mixture-of-experts layers on the CPU: F.grouped_mm over fp32 expert weights
-    (the meta kernel has CUDA's bf16-only check; the CPU kernel runs fp32), forward and backward."""
-
-    class Experts(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up = nn.Parameter(torch.randn(4, 32, 16) * 0.02)
-            self.down = nn.Parameter(torch.randn(4, 16, 32) * 0.02)
-
-        def forward(self, x, offs):
-            h = F.gelu(F.grouped_mm(x, self.up.transpose(-2, -1), offs=offs))
-            return F.grouped_mm(h, self.down.transpose(-2, -1), offs=offs).square().mean()
-
+    """fp32 expert weights (the meta kernel has CUDA's bf16-only check; the CPU kernel runs fp32)."""
     tokens = 8 * batch_size
     offs = torch.tensor([tokens // 4, tokens // 2, 3 * tokens // 4, tokens], dtype=torch.int32)
-    return Experts(), (torch.randn(tokens, 16), offs)
+    return _Experts(16, 32), (torch.randn(tokens, 16), offs)
 
 
 def test_fp32_grouped_mm():
@@ -238,30 +240,18 @@ def test_fp32_grouped_mm():
     assert not predicted.approximate
 
 
-def grouped_experts_bf16(batch_size: int = 2):
-    """A mixture of experts in bf16 as transformers 5 runs it on the CPU (torch._grouped_mm, which loops
-    over the experts: one oneDNN matmul each, whose scratch follows the expert's tokens), with uneven
-    groups, one of them empty."""
-
-    class Experts(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up = nn.Parameter(torch.randn(4, 128, 64) * 0.02)
-            self.down = nn.Parameter(torch.randn(4, 64, 128) * 0.02)
-
-        def forward(self, x, offs):
-            h = F.gelu(torch._grouped_mm(x, self.up.transpose(-2, -1), offs=offs))
-            return torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offs).float().square().mean()
-
+def grouped_experts_uneven(batch_size: int = 2):
+    """Experts given uneven shares of the tokens, one none: in bf16, each expert's oneDNN matmul holds
+    scratch that follows its tokens."""
     tokens = 32 * batch_size
     offs = torch.tensor([tokens // 8, tokens // 2, tokens // 2, tokens], dtype=torch.int32)
-    return Experts(), (torch.randn(tokens, 64), offs)
+    return _Experts(64, 128), (torch.randn(tokens, 64), offs)
 
 
 def test_bf16_grouped_mm_counts_each_expert_s_matmul_scratch():
     """bf16 mixtures of experts (Mixtral, OLMoE in bf16 in benchmarks/hf_architectures.py) were 32-42 KB
     short in backward: _grouped_mm's per-expert oneDNN scratch was not counted."""
-    predicted, _ = _check(grouped_experts_bf16, precision="bf16")
+    predicted, _ = _check(grouped_experts_uneven, precision="bf16")
     assert not predicted.approximate
 
 
