@@ -1538,6 +1538,8 @@ class _RealValues:
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.typical: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # known from a draw: its op's name
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
+        # generator -> (its state before this build's latest run of draws from it, the state they left it in)
+        self.drawn: dict[torch.Generator, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
         return tensor in self.real
@@ -1555,7 +1557,7 @@ class _RealValues:
 
     def compute(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor], random: bool = False) -> Any:
         """The op's real outputs, or None where an operand's value is unknown (or the op fails). A random
-        op only where `random`: drawn for real, with the generators' states put back after."""
+        op only where `random`: drawn for real, the generators put back when the build ends."""
         draw = torch.Tag.nondeterministic_seeded in func.tags
         if draw and not random:
             return None
@@ -1570,15 +1572,34 @@ class _RealValues:
             real_flat.append(real)
         real_args, real_kwargs = tree_unflatten(real_flat, spec)
         generators = ([g for g in real_flat if isinstance(g, torch.Generator)] or [torch.default_generator]) if draw else []
-        states = [g.get_state() for g in generators]
         try:
-            with _disable_current_modes():
+            with _disable_current_modes(), self._drawing(generators):
                 return func(*real_args, **real_kwargs)
         except Exception:  # noqa: BLE001 - no value, no harm: unknown values read as before
             return None
+
+    @contextlib.contextmanager
+    def _drawing(self, generators: list[torch.Generator]) -> Iterator[None]:
+        """Draw from the generators themselves, so that two draws in a row differ as in a real run (an
+        edge index's two rows of `randint`: drawn from one state, every edge was a self-loop) and a
+        reseed between them counts; remember where each run of draws began (`put_generators_back`)."""
+        befores = [g.get_state() for g in generators]
+        try:
+            yield
         finally:
-            for g, state in zip(generators, states):
-                g.set_state(state)
+            for g, before in zip(generators, befores):
+                began, left = self.drawn.get(g, (None, None))
+                continued = left is not None and torch.equal(left, before)  # nothing else moved it since
+                self.drawn[g] = (began if continued else before, g.get_state())
+
+    def put_generators_back(self) -> None:
+        """Undo the draws: a generator that the program has not moved since the last of them returns to
+        where they began, so tracing consumes none of the program's random numbers."""
+        with _disable_current_modes():
+            for g, (began, left) in self.drawn.items():
+                if torch.equal(g.get_state(), left):
+                    g.set_state(began)
+        self.drawn.clear()
 
     def median(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
         """A single draw's stand-in value (`_DRAW_MEDIANS`)."""
@@ -1644,6 +1665,10 @@ class _RealValues:
         if (outputs or written) and all(self.keeps(t) for t in outputs):
             random = self.draws and all(not t.is_floating_point() and not t.is_complex() for t in (*outputs, *written))
             real_out = self.compute(func, args, kwargs, written, random)
+            if self.draws and not random and torch.Tag.nondeterministic_seeded in func.tags:
+                # a float draw (the node features drawn before the edges): its values stay unknown, but the
+                # generator moves on as the real draw moves it, so the integer draws after it read as eager's
+                self.compute(func, args, kwargs, written, random=True)
             if real_out is None and func._overloadpacket in _DRAW_MEDIANS and len(outputs) == 1 \
                     and outputs[0].numel() == 1:
                 real_out = self.median(func, args, kwargs, outputs[0])
@@ -1673,6 +1698,10 @@ class _ConstantShadows(TorchDispatchMode):
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
         self.approximate: list[str] = []
         self.sparse = _SparseTensors(self.values, self.approximate)  # a sparse input (a graph's adjacency)
+
+    def __exit__(self, *exc: object) -> None:
+        self.values.put_generators_back()
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -304,10 +304,51 @@ def test_checks_on_drawn_integer_inputs_read_their_values():
     check reads them as a real run does (it used to read True and raise), the mask selects what it
     really selects, and the CTC targets' tensor lengths are known: exact, not approximate. The
     generator's state is put back after each draw."""
-    state = torch.random.get_rng_state()
+    _assert_estimate_draws_nothing(ctc_checked_labels)
     predicted, _ = _check(ctc_checked_labels, tolerance=1e-3)
     assert not predicted.approximate
+
+
+def _assert_estimate_draws_nothing(build, seed=None):
+    """The estimate leaves the program's generator as it found it, or as the factory seeded it (`measure`
+    builds for real and draws)."""
+    state = torch.random.get_rng_state() if seed is None else torch.manual_seed(seed).get_state()
+    estimate(Workload(build.__name__, build, None, {}), StepConfig(steps=2), device="cpu")
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def graph_without_self_loops(batch_size: int = 4):
+    """A graph's edge index drawn as two rows of `randint` after the node features (torch_geometric's
+    GCNConv drops the self-loops, `edge_index[:, edge_index[0] != edge_index[1]]`, before adding one
+    per node): each draw continued from where the one before left the generator. Restarted from the
+    same state, the two rows were equal, every edge a self-loop, and the step 32% short."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 32)
+            self.scale = nn.Parameter(torch.randn(32))  # drawn before the inputs' seed
+
+        def forward(self, x, edge_index):
+            edge_index = edge_index[:, edge_index[0] != edge_index[1]]
+            h = self.lin(x) * self.scale
+            return h.new_zeros(h.shape).index_add_(0, edge_index[1], h[edge_index[0]]).square().mean()
+
+    net = Net()
+    torch.manual_seed(0)
+    nodes = 24 * batch_size
+    x = torch.randn(nodes, 16)
+    return net, (x, torch.stack([torch.randint(0, nodes, (300,)), torch.randint(0, nodes, (300,))]))
+
+
+def test_successive_draws_continue_the_generator():
+    """Each draw while building continues from the last (a float draw included), as eager's draws do,
+    and a reseed restarts them, also to the state they began from (the second estimate in a process:
+    the program's generator was left at the factory's seed, and the inputs continued the parameter's
+    draw instead); the program's own generator is untouched."""
+    _assert_estimate_draws_nothing(graph_without_self_loops, seed=0)
+    predicted, _ = _check(graph_without_self_loops)
+    assert not predicted.approximate
 
 
 def packed_recurrent(batch_size: int = 3, kind: str = "lstm", batch_first: bool = True, known_lengths: bool = True):
