@@ -1937,12 +1937,25 @@ def _deepcopy_shares_fake_mode() -> Iterator[None]:
     """`copy.deepcopy` of a fake tensor (nn.TransformerEncoder cloning its layer, an EMA copy of a
     model) deep-copies the tensor's `fake_mode` attribute too, and with it the mode's memo of weak
     storage references (raw pointers): both copies later free the same references, which corrupts
-    the heap (segfaults mid-trace). The mode is shared state, never data: copies keep the original."""
+    the heap (segfaults mid-trace). The mode is shared state, never data: copies keep the original.
+    A real tensor is copied for real, outside the modes, as eager copies it: a fake tensor made by
+    `torch.tensor(0)` (BatchNorm's `num_batches_tracked`) keeps its real value as `constant`, whose copy
+    under the fake mode cloned its storage into a fake one and failed (`copy.deepcopy(norm)` per layer,
+    as torch_geometric's GCN, GIN and GraphSAGE build their norms)."""
     had = "__deepcopy__" in vars(FakeTensorMode)
     previous = vars(FakeTensorMode).get("__deepcopy__")
     FakeTensorMode.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
+    tensor_deepcopy = torch.Tensor.__deepcopy__
+
+    def deepcopy_real_for_real(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+        if isinstance(tensor, FakeTensor):
+            return tensor_deepcopy(tensor, memo)
+        with _disable_current_modes():
+            return tensor_deepcopy(tensor, memo)
+
     try:
-        yield
+        with mock.patch.object(torch.Tensor, "__deepcopy__", deepcopy_real_for_real):
+            yield
     finally:
         if had:
             FakeTensorMode.__deepcopy__ = previous  # type: ignore[attr-defined]

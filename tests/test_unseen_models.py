@@ -72,6 +72,30 @@ def test_deep_copied_layers_trace_and_match():
     _check(transformer_encoder_built_inside)
 
 
+def norms_copied_per_layer(batch_size: int = 4):
+    """One norm deep-copied per layer (torch_geometric's GCN, GIN, GraphSAGE): BatchNorm's
+    `num_batches_tracked`, made by `torch.tensor(0)`, keeps its real value inside the fake tensor, and
+    copying that real tensor under the fake mode failed the build."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            norm = nn.BatchNorm1d(16)
+            self.lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.norms = nn.ModuleList(copy.deepcopy(norm) for _ in range(2))
+
+        def forward(self, x):
+            for lin, norm in zip(self.lins, self.norms):
+                x = torch.relu(norm(lin(x)))
+            return x.square().mean()
+
+    return Net(), (torch.randn(batch_size, 16),)
+
+
+def test_deep_copied_batch_norms_trace_and_match():
+    _check(norms_copied_per_layer)
+
+
 def test_deepcopy_of_a_fake_tensor_keeps_its_mode():
     from memplan.trace import _deepcopy_shares_fake_mode
 
