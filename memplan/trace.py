@@ -1963,6 +1963,32 @@ def _deepcopy_shares_fake_mode() -> Iterator[None]:
             del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]
 
 
+@contextlib.contextmanager
+def _lazy_parameters_real() -> Iterator[None]:
+    """A lazy module's parameters (`nn.LazyLinear`, torch_geometric's `-1` channels, which `to_hetero`
+    models take) are made and materialised as real tensors, outside the modes: an uninitialised
+    parameter is a tensor subclass made by `_make_subclass`, which refuses a fake tensor, so every
+    lazy module failed the build. A factory materialises them with a dry run, as training scripts do;
+    they are real while building, as any real parameter handed to the model (converted to fake tensors
+    when the step prepares), so these, and only these, take host memory of their size."""
+
+    def outside_modes(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with _disable_current_modes():
+                return function(*args, **kwargs)
+
+        return run
+
+    made_or_materialised = ((nn.parameter.UninitializedParameter, "__new__"),
+                            (nn.parameter.UninitializedBuffer, "__new__"),
+                            (nn.parameter.UninitializedTensorMixin, "materialize"))
+    with contextlib.ExitStack() as patches:
+        for owner, name in made_or_materialised:
+            patches.enter_context(mock.patch.object(owner, name, outside_modes(getattr(owner, name))))
+        yield
+
+
 _ABSENT = object()
 
 
@@ -2048,7 +2074,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     calls: list[ModuleCall] = []
     shadows = _ConstantShadows()
     with model_caches_emptied_after(), _StorageKeepingFakeMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
-            _fake_parameters_swap(shadows.values.real, shadows.guessed):
+            _fake_parameters_swap(shadows.values.real, shadows.guessed), _lazy_parameters_real():
         with shadows:
             model, inputs = workload.build()
         if transform is not None:

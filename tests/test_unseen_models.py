@@ -96,6 +96,27 @@ def test_deep_copied_batch_norms_trace_and_match():
     _check(norms_copied_per_layer)
 
 
+def lazy_layers(batch_size: int = 4):
+    """Lazy layers (`nn.LazyLinear`; torch_geometric's `-1` channels) materialised by a dry run in the
+    factory: an uninitialised parameter cannot be made over a fake tensor, and the build failed."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1, self.lin2 = nn.LazyLinear(32), nn.LazyLinear(8)
+
+        def forward(self, x):
+            return self.lin2(torch.relu(self.lin1(x))).square().mean()
+
+    net, x = Net(), torch.randn(batch_size, 16)
+    net(x)
+    return net, (x,)
+
+
+def test_lazy_layers_materialised_while_building_trace_and_match():
+    _check(lazy_layers)
+
+
 def test_deepcopy_of_a_fake_tensor_keeps_its_mode():
     from memplan.trace import _deepcopy_shares_fake_mode
 
