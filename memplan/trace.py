@@ -1573,6 +1573,8 @@ class _RealValues:
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.typical: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # known from a draw: its op's name
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
+        # generator -> (its state before this build's latest run of draws from it, the state they left it in)
+        self.drawn: dict[torch.Generator, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
         return tensor in self.real
@@ -1590,7 +1592,7 @@ class _RealValues:
 
     def compute(self, func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor], random: bool = False) -> Any:
         """The op's real outputs, or None where an operand's value is unknown (or the op fails). A random
-        op only where `random`: drawn for real, with the generators' states put back after."""
+        op only where `random`: drawn for real, the generators put back when the build ends."""
         draw = torch.Tag.nondeterministic_seeded in func.tags
         if draw and not random:
             return None
@@ -1605,15 +1607,34 @@ class _RealValues:
             real_flat.append(real)
         real_args, real_kwargs = tree_unflatten(real_flat, spec)
         generators = ([g for g in real_flat if isinstance(g, torch.Generator)] or [torch.default_generator]) if draw else []
-        states = [g.get_state() for g in generators]
         try:
-            with _disable_current_modes():
+            with _disable_current_modes(), self._drawing(generators):
                 return func(*real_args, **real_kwargs)
         except Exception:  # noqa: BLE001 - no value, no harm: unknown values read as before
             return None
+
+    @contextlib.contextmanager
+    def _drawing(self, generators: list[torch.Generator]) -> Iterator[None]:
+        """Draw from the generators themselves, so that two draws in a row differ as in a real run (an
+        edge index's two rows of `randint`: drawn from one state, every edge was a self-loop) and a
+        reseed between them counts; remember where each run of draws began (`put_generators_back`)."""
+        befores = [g.get_state() for g in generators]
+        try:
+            yield
         finally:
-            for g, state in zip(generators, states):
-                g.set_state(state)
+            for g, before in zip(generators, befores):
+                began, left = self.drawn.get(g, (None, None))
+                continued = left is not None and torch.equal(left, before)  # nothing else moved it since
+                self.drawn[g] = (began if continued else before, g.get_state())
+
+    def put_generators_back(self) -> None:
+        """Undo the draws: a generator that the program has not moved since the last of them returns to
+        where they began, so tracing consumes none of the program's random numbers."""
+        with _disable_current_modes():
+            for g, (began, left) in self.drawn.items():
+                if torch.equal(g.get_state(), left):
+                    g.set_state(began)
+        self.drawn.clear()
 
     def median(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
         """A single draw's stand-in value (`_DRAW_MEDIANS`)."""
@@ -1679,6 +1700,10 @@ class _RealValues:
         if (outputs or written) and all(self.keeps(t) for t in outputs):
             random = self.draws and all(not t.is_floating_point() and not t.is_complex() for t in (*outputs, *written))
             real_out = self.compute(func, args, kwargs, written, random)
+            if self.draws and not random and torch.Tag.nondeterministic_seeded in func.tags:
+                # a float draw (the node features drawn before the edges): its values stay unknown, but the
+                # generator moves on as the real draw moves it, so the integer draws after it read as eager's
+                self.compute(func, args, kwargs, written, random=True)
             if real_out is None and func._overloadpacket in _DRAW_MEDIANS and len(outputs) == 1 \
                     and outputs[0].numel() == 1:
                 real_out = self.median(func, args, kwargs, outputs[0])
@@ -1708,6 +1733,10 @@ class _ConstantShadows(TorchDispatchMode):
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
         self.approximate: list[str] = []
         self.sparse = _SparseTensors(self.values, self.approximate)  # a sparse input (a graph's adjacency)
+
+    def __exit__(self, *exc: object) -> None:
+        self.values.put_generators_back()
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -1943,17 +1972,56 @@ def _deepcopy_shares_fake_mode() -> Iterator[None]:
     """`copy.deepcopy` of a fake tensor (nn.TransformerEncoder cloning its layer, an EMA copy of a
     model) deep-copies the tensor's `fake_mode` attribute too, and with it the mode's memo of weak
     storage references (raw pointers): both copies later free the same references, which corrupts
-    the heap (segfaults mid-trace). The mode is shared state, never data: copies keep the original."""
+    the heap (segfaults mid-trace). The mode is shared state, never data: copies keep the original.
+    A real tensor is copied for real, outside the modes, as eager copies it: a fake tensor made by
+    `torch.tensor(0)` (BatchNorm's `num_batches_tracked`) keeps its real value as `constant`, whose copy
+    under the fake mode cloned its storage into a fake one and failed (`copy.deepcopy(norm)` per layer,
+    as torch_geometric's GCN, GIN and GraphSAGE build their norms)."""
     had = "__deepcopy__" in vars(FakeTensorMode)
     previous = vars(FakeTensorMode).get("__deepcopy__")
     FakeTensorMode.__deepcopy__ = lambda self, memo: self  # type: ignore[attr-defined]
+    tensor_deepcopy = torch.Tensor.__deepcopy__
+
+    def deepcopy_real_for_real(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+        if isinstance(tensor, FakeTensor):
+            return tensor_deepcopy(tensor, memo)
+        with _disable_current_modes():
+            return tensor_deepcopy(tensor, memo)
+
     try:
-        yield
+        with mock.patch.object(torch.Tensor, "__deepcopy__", deepcopy_real_for_real):
+            yield
     finally:
         if had:
             FakeTensorMode.__deepcopy__ = previous  # type: ignore[attr-defined]
         else:
             del FakeTensorMode.__deepcopy__  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _lazy_parameters_real() -> Iterator[None]:
+    """A lazy module's parameters (`nn.LazyLinear`, torch_geometric's `-1` channels, which `to_hetero`
+    models take) are made and materialised as real tensors, outside the modes: an uninitialised
+    parameter is a tensor subclass made by `_make_subclass`, which refuses a fake tensor, so every
+    lazy module failed the build. A factory materialises them with a dry run, as training scripts do;
+    they are real while building, as any real parameter handed to the model (converted to fake tensors
+    when the step prepares), so these, and only these, take host memory of their size."""
+
+    def outside_modes(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with _disable_current_modes():
+                return function(*args, **kwargs)
+
+        return run
+
+    made_or_materialised = ((nn.parameter.UninitializedParameter, "__new__"),
+                            (nn.parameter.UninitializedBuffer, "__new__"),
+                            (nn.parameter.UninitializedTensorMixin, "materialize"))
+    with contextlib.ExitStack() as patches:
+        for owner, name in made_or_materialised:
+            patches.enter_context(mock.patch.object(owner, name, outside_modes(getattr(owner, name))))
+        yield
 
 
 _ABSENT = object()
@@ -2041,7 +2109,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     calls: list[ModuleCall] = []
     shadows = _ConstantShadows()
     with model_caches_emptied_after(), _StorageKeepingFakeMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
-            _fake_parameters_swap(shadows.values.real, shadows.guessed):
+            _fake_parameters_swap(shadows.values.real, shadows.guessed), _lazy_parameters_real():
         with shadows:
             model, inputs = workload.build()
         if transform is not None:

@@ -72,6 +72,51 @@ def test_deep_copied_layers_trace_and_match():
     _check(transformer_encoder_built_inside)
 
 
+def norms_copied_per_layer(batch_size: int = 4):
+    """One norm deep-copied per layer (torch_geometric's GCN, GIN, GraphSAGE): BatchNorm's
+    `num_batches_tracked`, made by `torch.tensor(0)`, keeps its real value inside the fake tensor, and
+    copying that real tensor under the fake mode failed the build."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            norm = nn.BatchNorm1d(16)
+            self.lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.norms = nn.ModuleList(copy.deepcopy(norm) for _ in range(2))
+
+        def forward(self, x):
+            for lin, norm in zip(self.lins, self.norms):
+                x = torch.relu(norm(lin(x)))
+            return x.square().mean()
+
+    return Net(), (torch.randn(batch_size, 16),)
+
+
+def test_deep_copied_batch_norms_trace_and_match():
+    _check(norms_copied_per_layer)
+
+
+def lazy_layers(batch_size: int = 4):
+    """Lazy layers (`nn.LazyLinear`; torch_geometric's `-1` channels) materialised by a dry run in the
+    factory: an uninitialised parameter cannot be made over a fake tensor, and the build failed."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1, self.lin2 = nn.LazyLinear(32), nn.LazyLinear(8)
+
+        def forward(self, x):
+            return self.lin2(torch.relu(self.lin1(x))).square().mean()
+
+    net, x = Net(), torch.randn(batch_size, 16)
+    net(x)
+    return net, (x,)
+
+
+def test_lazy_layers_materialised_while_building_trace_and_match():
+    _check(lazy_layers)
+
+
 def test_deepcopy_of_a_fake_tensor_keeps_its_mode():
     from memplan.trace import _deepcopy_shares_fake_mode
 
@@ -346,10 +391,51 @@ def test_checks_on_drawn_integer_inputs_read_their_values():
     check reads them as a real run does (it used to read True and raise), the mask selects what it
     really selects, and the CTC targets' tensor lengths are known: exact, not approximate. The
     generator's state is put back after each draw."""
-    state = torch.random.get_rng_state()
+    _assert_estimate_draws_nothing(ctc_checked_labels)
     predicted, _ = _check(ctc_checked_labels, tolerance=1e-3)
     assert not predicted.approximate
+
+
+def _assert_estimate_draws_nothing(build, seed=None):
+    """The estimate leaves the program's generator as it found it, or as the factory seeded it (`measure`
+    builds for real and draws)."""
+    state = torch.random.get_rng_state() if seed is None else torch.manual_seed(seed).get_state()
+    estimate(Workload(build.__name__, build, None, {}), StepConfig(steps=2), device="cpu")
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def graph_without_self_loops(batch_size: int = 4):
+    """A graph's edge index drawn as two rows of `randint` after the node features (torch_geometric's
+    GCNConv drops the self-loops, `edge_index[:, edge_index[0] != edge_index[1]]`, before adding one
+    per node): each draw continued from where the one before left the generator. Restarted from the
+    same state, the two rows were equal, every edge a self-loop, and the step 32% short."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 32)
+            self.scale = nn.Parameter(torch.randn(32))  # drawn before the inputs' seed
+
+        def forward(self, x, edge_index):
+            edge_index = edge_index[:, edge_index[0] != edge_index[1]]
+            h = self.lin(x) * self.scale
+            return h.new_zeros(h.shape).index_add_(0, edge_index[1], h[edge_index[0]]).square().mean()
+
+    net = Net()
+    torch.manual_seed(0)
+    nodes = 24 * batch_size
+    x = torch.randn(nodes, 16)
+    return net, (x, torch.stack([torch.randint(0, nodes, (300,)), torch.randint(0, nodes, (300,))]))
+
+
+def test_successive_draws_continue_the_generator():
+    """Each draw while building continues from the last (a float draw included), as eager's draws do,
+    and a reseed restarts them, also to the state they began from (the second estimate in a process:
+    the program's generator was left at the factory's seed, and the inputs continued the parameter's
+    draw instead); the program's own generator is untouched."""
+    _assert_estimate_draws_nothing(graph_without_self_loops, seed=0)
+    predicted, _ = _check(graph_without_self_loops)
+    assert not predicted.approximate
 
 
 def packed_recurrent(batch_size: int = 3, kind: str = "lstm", batch_first: bool = True, known_lengths: bool = True):
