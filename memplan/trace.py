@@ -1195,16 +1195,44 @@ def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any
     return (losses / lengths).mean()
 
 
+def _tensor_of_elements(data: Any, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+    """torch.tensor over (nested) lists that hold one-element tensors (torchtune's Llama3ScaledRoPE:
+    `torch.tensor(new_freqs)` of 0-dim tensors) copies each element through its data pointer, which a
+    fake tensor has not. Each fake element is read back instead (`.item()`: its known value where there
+    is one), and the dtype inferred as tensor_new.cpp's infer_scalar_type does from the elements."""
+    elements, layout = tree_flatten(data) if isinstance(data, (list, tuple)) else ([], None)
+    if not any(isinstance(e, FakeTensor) for e in elements) \
+            or not all(isinstance(e, (torch.Tensor, bool, int, float, complex)) for e in elements):
+        return torch.tensor(data, *args, dtype=dtype, **kwargs)
+    if dtype is None:
+        dtype = functools.reduce(torch.promote_types, map(_element_dtype, elements))
+    values = [e.item() if isinstance(e, FakeTensor) else e for e in elements]
+    return torch.tensor(tree_unflatten(values, layout), *args, dtype=dtype, **kwargs)
+
+
+def _element_dtype(element: Any) -> torch.dtype:
+    """The dtype torch.tensor infers for one element of its data."""
+    if isinstance(element, torch.Tensor):
+        return element.dtype
+    return torch.tensor(element).dtype  # a Python number: bool, int64, the default float or complex dtype
+
+
 _REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence,
                         torch.allclose: _allclose, torch.Tensor.allclose: _allclose,
-                        torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss}
+                        torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss, torch.tensor: _tensor_of_elements}
+# while the factory builds: only what reads values back (the other rewrites are the step's kernels)
+_FACTORY_REWRITES = {torch.tensor: _tensor_of_elements}
 
 
 class _Rewrites(torch.overrides.TorchFunctionMode):
-    """Runs _REWRITTEN_FUNCTIONS' rewrites in place of the functions."""
+    """Runs the rewrites of `functions` (the step's: _REWRITTEN_FUNCTIONS) in place of the functions."""
+
+    def __init__(self, functions: dict[Any, Callable[..., Any]] = _REWRITTEN_FUNCTIONS) -> None:
+        super().__init__()
+        self.functions = functions
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        rewrite = _REWRITTEN_FUNCTIONS.get(func)
+        rewrite = self.functions.get(func)
         return (rewrite or func)(*args, **(kwargs or {}))
 
 
@@ -2007,7 +2035,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     shadows = _ConstantShadows()
     with model_caches_emptied_after(), _StorageKeepingFakeMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
             _fake_parameters_swap(shadows.values.real, shadows.guessed):
-        with shadows:
+        with shadows, _Rewrites(_FACTORY_REWRITES):
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)

@@ -105,6 +105,25 @@ def test_values_read_back_while_building():
     assert not predicted.approximate
 
 
+def rescaled_frequencies(batch_size: int = 2):
+    """torchtune's Llama3ScaledRoPE rescales its frequencies one by one and gathers them with
+    `torch.tensor(new_freqs)`, a list of 0-dim tensors, whose elements it copies through their data
+    pointers; the integer and bool elements beside them set the dtype as in eager."""
+    freqs = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    theta = torch.tensor([f / 4 if f < 0.5 else f for f in freqs])
+    mixed = torch.tensor([[torch.tensor(3, dtype=torch.int32)], [True]])  # int32, as eager infers
+    model = nn.Linear(4, int(mixed.sum()) + 1)
+    model.register_buffer("theta", theta * mixed.dtype.itemsize)
+    return model, (torch.randn(batch_size, 4) * theta,)
+
+
+def test_tensor_of_zero_dim_tensors_while_building():
+    """The factory failed ("The tensor has a non-zero number of elements, but its data is not
+    allocated yet"); each fake element is now read back as its known value."""
+    predicted, _ = _check(rescaled_frequencies)
+    assert not predicted.approximate
+
+
 def test_constant_shadows_follow_in_place_writes():
     from memplan.trace import _ConstantShadows
 
