@@ -37,11 +37,12 @@ from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, _BypassDispatchCache
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan.scratch import as_saved_number
 from memplan.step import PreparedStep, StepConfig, memory_parts, model_caches_emptied_after, prepare_step, run_steps
 from memplan.workload import Workload
 
@@ -430,6 +431,7 @@ class _Recorder(TorchDispatchMode):
         self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
         self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
+        self.saved_numbers: defaultdict[int, list[Any]] = defaultdict(list)  # node's sequence number -> values
         # unknown bool tensors that test floating-point values (isnan, var < 0), and whole-tensor tests of
         # them: any() -> False (see _note_value_test)
         self.value_tests: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -480,6 +482,8 @@ class _Recorder(TorchDispatchMode):
         op = min(op, len(self.ops) - 1)
         sid = self.register(tensor, "activations")
         self.storages[sid]["op"] = op
+        with _disable_current_modes():
+            self.saved_numbers[sequence_nr].append(tensor.item())
         position = len(self.events)
         while position and self.events[position - 1].op is not None and self.events[position - 1].op > op:
             position -= 1
@@ -570,7 +574,8 @@ class _Recorder(TorchDispatchMode):
         if by_sparse_table:
             scratch = sparse_scratch
         else:
-            scratch = int(self.rules.scratch(func, indexed, kwargs, out)) + mask_bytes
+            operands, named = self._saved_numbers_marked(indexed, kwargs)
+            scratch = int(self.rules.scratch(func, operands, named, out)) + mask_bytes
         if scratch:
             self.events.append(Event("scratch", op=index, nbytes=scratch))
         flops = 0
@@ -597,6 +602,23 @@ class _Recorder(TorchDispatchMode):
         if engine_sum and len(allocates) == 1:
             self.engine_sums[allocates[0]] = index
         return out
+
+    def _saved_numbers_marked(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A backward op's arguments for the scratch rules, with the numbers its node saved in forward
+        (`register_saved_number`) marked as such: their tensors are live already, where a number
+        wrapped for the call would be allocated with it (MulBackward0's `grad * other`)."""
+        node = torch._C._current_autograd_node() if self.saved_numbers else None
+        saved = list(self.saved_numbers.get(node._sequence_nr(), ())) if node is not None else []
+        if not saved:
+            return args, kwargs
+
+        def mark(value: Any) -> Any:
+            if isinstance(value, (int, float)) and value in saved:
+                saved.remove(value)
+                return as_saved_number(value)
+            return value
+
+        return tuple(map(mark, args)), {name: mark(value) for name, value in kwargs.items()}
 
     def _engine_sum(self, func: Any, args: tuple, reads: tuple[int, ...], index: int) -> bool:
         """Whether op `index` is the engine's sum of two gradients of one tensor (_is_grad_accumulation),
@@ -1108,14 +1130,21 @@ class _SavedWrappedNumbers(torch.overrides.TorchFunctionMode):
         self._saved_names: dict[type, tuple[str, ...]] = {}  # node type -> its `_raw_saved_*` attributes
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         start = torch._C._autograd._get_sequence_nr()
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
         end = torch._C._autograd._get_sequence_nr()
         if end != start and torch.is_grad_enabled():
-            self._register_saved_numbers(out, start, end)
+            for node in self._nodes_made(out, start, end):
+                if type(node).__name__ == "CopySlices":
+                    self._register_hidden_numbers(node, func, args, kwargs)
+                else:
+                    self._register_numbers_of(node)
         return out
 
-    def _register_saved_numbers(self, out: Any, start: int, end: int) -> None:
+    @staticmethod
+    def _nodes_made(out: Any, start: int, end: int) -> Iterator[Any]:
+        """The autograd nodes of `out` numbered from `start` to `end` (made by the call)."""
         nodes = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         seen: set[int] = set()
         while nodes:
@@ -1124,21 +1153,59 @@ class _SavedWrappedNumbers(torch.overrides.TorchFunctionMode):
                 continue
             seen.add(id(node))
             nodes.extend(next_node for next_node, _ in node.next_functions)
-            names = self._saved_names.get(type(node))
-            if names is None:
-                names = self._saved_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
-            for name in names:
-                try:
-                    raw = getattr(node, name)
-                except RuntimeError:
-                    continue
-                for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
-                    # `data` is the tensor saved as it is, None for one a hook packed (reading it
-                    # unpacks nothing: a checkpointed segment is not recomputed)
-                    value = getattr(saved, "data", None)
-                    if (isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0
-                            and value.untyped_storage() not in self.recorder.ids):
-                        self.recorder.register_saved_number(value, node._sequence_nr())
+            yield node
+
+    def _register_numbers_of(self, node: Any) -> None:
+        for value in self._saved_numbers(node):
+            if value.untyped_storage() not in self.recorder.ids:
+                self.recorder.register_saved_number(value, node._sequence_nr())
+
+    def _saved_numbers(self, node: Any) -> Iterator[torch.Tensor]:
+        """The wrapped numbers `node` saved: real (not fake) 0-dim tensors saved without a hook."""
+        names = self._saved_names.get(type(node))
+        if names is None:
+            names = self._saved_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+        for name in names:
+            try:
+                raw = getattr(node, name)
+            except RuntimeError:
+                continue
+            for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+                # `data` is the tensor saved as it is, None for one a hook packed (reading it
+                # unpacks nothing: a checkpointed segment is not recomputed)
+                value = getattr(saved, "data", None)
+                if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0:
+                    yield value
+
+    def _register_hidden_numbers(self, copy_slices: Any, func: Any, args: tuple, kwargs: dict) -> None:
+        """An in-place op on a view (`q.mul_(scale)` on a transposed query, torchtune's Gemma2) puts its
+        node inside the base's CopySlices, which Python cannot reach. The op runs again on meta
+        stand-ins outside any view: the numbers its node saves there stand for the hidden ones, held
+        by a hook of the CopySlices node until backward runs it (or the node dies), as eager's are."""
+        numbers = list(self._numbers_saved_outside_a_view(func, args, kwargs))
+        if not numbers:
+            return
+        for value in numbers:
+            self.recorder.register_saved_number(value, copy_slices._sequence_nr())
+        copy_slices.register_hook(lambda *_: numbers.clear())
+
+    def _numbers_saved_outside_a_view(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+            return []
+
+        def stand_in(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.enable_grad():
+            target = stand_in(args[0]).requires_grad_().clone()  # a non-leaf, as an in-place op needs
+            rest = tree_map(stand_in, (args[1:], kwargs))
+            try:
+                func(target, *rest[0], **rest[1])
+            except Exception:  # noqa: BLE001 - no stand-in run, no numbers: as before
+                return []
+            return list(self._saved_numbers(target.grad_fn)) if target.grad_fn is not None else []
 
 
 def _pad_packed_sequence(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool,

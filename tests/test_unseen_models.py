@@ -1129,6 +1129,46 @@ def test_python_numbers_autograd_saves_live_until_backward():
     _check(scaled_by_python_numbers, optimizer="sgd")
 
 
+def scaled_in_place_through_a_view(batch_size: int = 2):
+    """torchtune's Gemma2 attention scales its query in place after splitting heads (`q.mul_(scaling)`
+    on a transposed view): autograd saves the number in the node that the base's CopySlices holds,
+    where no Python walk of the graph reaches it."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(16, 16)
+            self.k = nn.Linear(16, 16)
+
+        def forward(self, x):
+            q = self.q(x).view(x.shape[0], 6, 2, 8).transpose(1, 2)
+            k = self.k(x).view(x.shape[0], 6, 2, 8).transpose(1, 2)
+            q.mul_(8 ** -0.5)
+            return (q @ k.transpose(2, 3)).softmax(-1).sum()
+
+    return Net(), (torch.randn(batch_size, 6, 16),)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_python_numbers_saved_by_in_place_ops_on_views_live_until_backward(layers):
+    """Each such number was missing from the forward peak (8 bytes a layer: Gemma2 -16 B with two)."""
+    def stacked(batch_size: int = 2):
+        nets = [scaled_in_place_through_a_view(batch_size)[0] for _ in range(layers)]
+
+        class Stack(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.nets = nn.ModuleList(nets)
+
+            def forward(self, x):
+                return sum(net(x) for net in self.nets)
+
+        return Stack(), (torch.randn(batch_size, 6, 16),)
+
+    stacked.__name__ = f"scaled_in_place_through_views_{layers}"
+    _check(stacked, optimizer="sgd")
+
+
 def held_by_a_reference_cycle(batch_size: int = 2):
     """A tensor that only a reference cycle holds (torch.distributions objects, a module caching its
     inputs in a dict that refers to itself): eager's step, measured with the cycle collector off, keeps
