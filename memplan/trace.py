@@ -1174,7 +1174,8 @@ class _SavedWrappedNumbers(torch.overrides.TorchFunctionMode):
                 # `data` is the tensor saved as it is, None for one a hook packed (reading it
                 # unpacks nothing: a checkpointed segment is not recomputed)
                 value = getattr(saved, "data", None)
-                if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0:
+                if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0 \
+                        and not torch._C._functorch.is_functorch_wrapped_tensor(value):  # (inside torch.func.grad)
                     yield value
 
     def _register_hidden_numbers(self, copy_slices: Any, func: Any, args: tuple, kwargs: dict) -> None:
@@ -1870,6 +1871,32 @@ def _function_modes_kept_through_backward() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _hooks_lifted_for_function_transforms(pack: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """torch.func's grad, vjp, jacrev and hessian refuse to run while any saved-tensor hooks are on
+    (functorch's `doesnt_support_saved_tensors_hooks`), and the tracer's own always are: x-transformers'
+    NonAutoregressiveWrapper weights its loss by a schedule's derivative, `vmap(grad_and_value(fn))`,
+    and the estimate failed where eager, which has no hooks, runs. The tracer's hooks are lifted while
+    such a transform runs; what it saves is still counted, as temporaries of its ops."""
+    original = torch.autograd.graph.disable_saved_tensors_hooks
+
+    @contextlib.contextmanager
+    def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        ours = top is not None and top[0] is pack
+        if ours:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        try:
+            with original(error_message):
+                yield
+        finally:
+            if ours:
+                torch._C._autograd._push_saved_tensors_default_hooks(*top)
+
+    with mock.patch.object(torch.autograd.graph, "disable_saved_tensors_hooks", disable_saved_tensors_hooks):
+        yield
+
+
+@contextlib.contextmanager
 def _checkpoint_inputs_unhooked(pack: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Saved-tensor hooks (the tracer's, which label saved storages as activations) make autograd
     unpack a new tensor object for each saved one. torch.utils.checkpoint saves a segment's inputs
@@ -2152,6 +2179,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
                     _fake_tensors_to_numpy(recorder), _SavedWrappedNumbers(recorder), _InPlaceScopes(recorder), \
                     _Rewrites(), recorder, _module_scopes(recorder, prepared.model, calls), \
                     torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved), \
+                    _hooks_lifted_for_function_transforms(mark_saved), \
                     _function_modes_kept_through_backward():
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:

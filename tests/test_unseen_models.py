@@ -1129,6 +1129,28 @@ def test_python_numbers_autograd_saves_live_until_backward():
     _check(scaled_by_python_numbers, optimizer="sgd")
 
 
+def function_transform_in_forward(batch_size: int = 4):
+    """x-transformers' NonAutoregressiveWrapper weights its loss by a schedule's derivative, taken in
+    forward with `vmap(grad_and_value(schedule))`: torch.func refuses to run under saved-tensor hooks."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, times):
+            slopes, _ = torch.func.vmap(torch.func.grad_and_value(lambda t: torch.cos(t * 1.5708)))(times)
+            return (self.lin(x).square().mean(-1) * slopes.abs()).mean()
+
+    return Net(), (torch.randn(batch_size, 8), torch.rand(batch_size))
+
+
+def test_function_transforms_in_forward_trace_and_match():
+    """The estimate failed ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor
+    hooks"): the tracer's hooks are lifted while the transform runs."""
+    _check(function_transform_in_forward)
+
+
 def scaled_in_place_through_a_view(batch_size: int = 2):
     """torchtune's Gemma2 attention scales its query in place after splitting heads (`q.mul_(scaling)`
     on a transposed view): autograd saves the number in the node that the base's CopySlices holds,
