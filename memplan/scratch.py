@@ -501,6 +501,30 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (bool, int, float, complex))
 
 
+class SavedFloat(float):
+    """A number a backward op reads from the wrapped numbers autograd saved in forward: it reaches a
+    dispatch mode as a plain number, as one wrapped for the call does, but its tensor exists already
+    (the tracer counts it from when it was saved): an operand, not scratch."""
+
+
+class SavedInt(int):
+    __doc__ = SavedFloat.__doc__
+
+
+def as_saved_number(value: Any) -> Any:
+    """`value` marked as a saved wrapped number (SavedFloat), where it is a float or an integer."""
+    if isinstance(value, float):
+        return SavedFloat(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return SavedInt(value)
+    return value
+
+
+def _wrapped_bytes(value: Any) -> int:
+    """What wrapping `value` for the call allocates: nothing where it was saved already."""
+    return 0 if isinstance(value, (SavedFloat, SavedInt)) else _itemsize(_wrapped_dtype(value))
+
+
 def _wrapped_dtype(value: Any) -> torch.dtype:
     """The dtype of the 0-dim tensor a Python number becomes (torch/csrc/utils/python_arg_parser.cpp
     scalar_to_tensor -> c10::scalar_to_tensor: bool, int64, double or complex double)."""
@@ -595,7 +619,7 @@ def _wrapped_numbers(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Each wrapped number is a 0-dim tensor of its own (8 bytes for int64/double)."""
     if torch.Tag.pointwise in func.tags:
         return 0  # counted with the operands' promotion in _tensor_iterator_promotion
-    return sum(_itemsize(dtype) for _, dtype in wrapped_numbers(func, args, kwargs))
+    return sum(_wrapped_bytes(value) for value, _ in wrapped_numbers(func, args, kwargs))
 
 
 @generic_rule("cpu")
@@ -623,7 +647,7 @@ def _tensor_iterator_promotion(func: Any, args: tuple, kwargs: dict, out: Any) -
                 inputs.append((value.dtype, value.numel(), value.dim(), False))
         elif _is_number(value) and (_is_tensor_type(argument) or _wraps_scalar(func, argument)):
             inputs.append((_wrapped_dtype(value), 1, 0, True))
-            wrapped += _itemsize(_wrapped_dtype(value))
+            wrapped += _wrapped_bytes(value)
     if func in _IMPLICIT_WRAPPED:
         inputs.append((torch.float64, 1, 0, True))
         wrapped += 8

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan.scratch import as_saved_number
 from memplan.step import PreparedStep, StepConfig, memory_parts, model_caches_emptied_after, prepare_step, run_steps
 from memplan.workload import Workload
 
@@ -435,6 +436,7 @@ class _Recorder(TorchDispatchMode):
         self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
         self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
+        self.saved_numbers: defaultdict[int, list[Any]] = defaultdict(list)  # node's sequence number -> values
         # unknown bool tensors that test floating-point values (isnan, var < 0), and whole-tensor tests of
         # them: any() -> False (see _note_value_test)
         self.value_tests: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -497,6 +499,8 @@ class _Recorder(TorchDispatchMode):
         op = min(op, len(self.ops) - 1)
         sid = self.register(tensor, "activations")
         self.storages[sid]["op"] = op
+        with _disable_current_modes():
+            self.saved_numbers[sequence_nr].append(tensor.item())
         position = len(self.events)
         while position and self.events[position - 1].op is not None and self.events[position - 1].op > op:
             position -= 1
@@ -589,10 +593,10 @@ class _Recorder(TorchDispatchMode):
         if by_sparse_table:
             scratch = sparse_scratch
         else:
-            scratch_args = (indexed, kwargs)
+            operands, named = self._saved_numbers_marked(indexed, kwargs)
             if func in _SCRATCH_READS_VALUES:
-                scratch_args = self._with_known_integers(func, indexed, kwargs)
-            scratch = int(self.rules.scratch(func, *scratch_args, out)) + mask_bytes
+                operands, named = self._with_known_integers(func, operands, named)
+            scratch = int(self.rules.scratch(func, operands, named, out)) + mask_bytes
         if scratch:
             self.events.append(Event("scratch", op=index, nbytes=scratch))
         flops = 0
@@ -619,6 +623,23 @@ class _Recorder(TorchDispatchMode):
         if engine_sum and len(allocates) == 1:
             self.engine_sums[allocates[0]] = index
         return out
+
+    def _saved_numbers_marked(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A backward op's arguments for the scratch rules, with the numbers its node saved in forward
+        (`register_saved_number`) marked as such: their tensors are live already, where a number
+        wrapped for the call would be allocated with it (MulBackward0's `grad * other`)."""
+        node = torch._C._current_autograd_node() if self.saved_numbers else None
+        saved = list(self.saved_numbers.get(node._sequence_nr(), ())) if node is not None else []
+        if not saved:
+            return args, kwargs
+
+        def mark(value: Any) -> Any:
+            if isinstance(value, (int, float)) and value in saved:
+                saved.remove(value)
+                return as_saved_number(value)
+            return value
+
+        return tuple(map(mark, args)), {name: mark(value) for name, value in kwargs.items()}
 
     def _engine_sum(self, func: Any, args: tuple, reads: tuple[int, ...], index: int) -> bool:
         """Whether op `index` is the engine's sum of two gradients of one tensor (_is_grad_accumulation),
@@ -1143,14 +1164,21 @@ class _SavedWrappedNumbers(torch.overrides.TorchFunctionMode):
         self._saved_names: dict[type, tuple[str, ...]] = {}  # node type -> its `_raw_saved_*` attributes
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         start = torch._C._autograd._get_sequence_nr()
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
         end = torch._C._autograd._get_sequence_nr()
         if end != start and torch.is_grad_enabled():
-            self._register_saved_numbers(out, start, end)
+            for node in self._nodes_made(out, start, end):
+                if type(node).__name__ == "CopySlices":
+                    self._register_hidden_numbers(node, func, args, kwargs)
+                else:
+                    self._register_numbers_of(node)
         return out
 
-    def _register_saved_numbers(self, out: Any, start: int, end: int) -> None:
+    @staticmethod
+    def _nodes_made(out: Any, start: int, end: int) -> Iterator[Any]:
+        """The autograd nodes of `out` numbered from `start` to `end` (made by the call)."""
         nodes = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         seen: set[int] = set()
         while nodes:
@@ -1159,21 +1187,60 @@ class _SavedWrappedNumbers(torch.overrides.TorchFunctionMode):
                 continue
             seen.add(id(node))
             nodes.extend(next_node for next_node, _ in node.next_functions)
-            names = self._saved_names.get(type(node))
-            if names is None:
-                names = self._saved_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
-            for name in names:
-                try:
-                    raw = getattr(node, name)
-                except RuntimeError:
-                    continue
-                for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
-                    # `data` is the tensor saved as it is, None for one a hook packed (reading it
-                    # unpacks nothing: a checkpointed segment is not recomputed)
-                    value = getattr(saved, "data", None)
-                    if (isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0
-                            and value.untyped_storage() not in self.recorder.ids):
-                        self.recorder.register_saved_number(value, node._sequence_nr())
+            yield node
+
+    def _register_numbers_of(self, node: Any) -> None:
+        for value in self._saved_numbers(node):
+            if value.untyped_storage() not in self.recorder.ids:
+                self.recorder.register_saved_number(value, node._sequence_nr())
+
+    def _saved_numbers(self, node: Any) -> Iterator[torch.Tensor]:
+        """The wrapped numbers `node` saved: real (not fake) 0-dim tensors saved without a hook."""
+        names = self._saved_names.get(type(node))
+        if names is None:
+            names = self._saved_names[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+        for name in names:
+            try:
+                raw = getattr(node, name)
+            except RuntimeError:
+                continue
+            for saved in raw if isinstance(raw, (list, tuple)) else (raw,):
+                # `data` is the tensor saved as it is, None for one a hook packed (reading it
+                # unpacks nothing: a checkpointed segment is not recomputed)
+                value = getattr(saved, "data", None)
+                if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0 \
+                        and not torch._C._functorch.is_functorch_wrapped_tensor(value):  # (inside torch.func.grad)
+                    yield value
+
+    def _register_hidden_numbers(self, copy_slices: Any, func: Any, args: tuple, kwargs: dict) -> None:
+        """An in-place op on a view (`q.mul_(scale)` on a transposed query, torchtune's Gemma2) puts its
+        node inside the base's CopySlices, which Python cannot reach. The op runs again on meta
+        stand-ins outside any view: the numbers its node saves there stand for the hidden ones, held
+        by a hook of the CopySlices node until backward runs it (or the node dies), as eager's are."""
+        numbers = list(self._numbers_saved_outside_a_view(func, args, kwargs))
+        if not numbers:
+            return
+        for value in numbers:
+            self.recorder.register_saved_number(value, copy_slices._sequence_nr())
+        copy_slices.register_hook(lambda *_: numbers.clear())
+
+    def _numbers_saved_outside_a_view(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+            return []
+
+        def stand_in(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.enable_grad():
+            target = stand_in(args[0]).requires_grad_().clone()  # a non-leaf, as an in-place op needs
+            rest = tree_map(stand_in, (args[1:], kwargs))
+            try:
+                func(target, *rest[0], **rest[1])
+            except Exception:  # noqa: BLE001 - no stand-in run, no numbers: as before
+                return []
+            return list(self._saved_numbers(target.grad_fn)) if target.grad_fn is not None else []
 
 
 def _pad_packed_sequence(data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool,
@@ -1230,16 +1297,44 @@ def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any
     return (losses / lengths).mean()
 
 
+def _tensor_of_elements(data: Any, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
+    """torch.tensor over (nested) lists that hold one-element tensors (torchtune's Llama3ScaledRoPE:
+    `torch.tensor(new_freqs)` of 0-dim tensors) copies each element through its data pointer, which a
+    fake tensor has not. Each fake element is read back instead (`.item()`: its known value where there
+    is one), and the dtype inferred as tensor_new.cpp's infer_scalar_type does from the elements."""
+    elements, layout = tree_flatten(data) if isinstance(data, (list, tuple)) else ([], None)
+    if not any(isinstance(e, FakeTensor) for e in elements) \
+            or not all(isinstance(e, (torch.Tensor, bool, int, float, complex)) for e in elements):
+        return torch.tensor(data, *args, dtype=dtype, **kwargs)
+    if dtype is None:
+        dtype = functools.reduce(torch.promote_types, map(_element_dtype, elements))
+    values = [e.item() if isinstance(e, FakeTensor) else e for e in elements]
+    return torch.tensor(tree_unflatten(values, layout), *args, dtype=dtype, **kwargs)
+
+
+def _element_dtype(element: Any) -> torch.dtype:
+    """The dtype torch.tensor infers for one element of its data."""
+    if isinstance(element, torch.Tensor):
+        return element.dtype
+    return torch.tensor(element).dtype  # a Python number: bool, int64, the default float or complex dtype
+
+
 _REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence,
                         torch.allclose: _allclose, torch.Tensor.allclose: _allclose,
-                        torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss}
+                        torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss, torch.tensor: _tensor_of_elements}
+# while the factory builds: only what reads values back (the other rewrites are the step's kernels)
+_FACTORY_REWRITES = {torch.tensor: _tensor_of_elements}
 
 
 class _Rewrites(torch.overrides.TorchFunctionMode):
-    """Runs _REWRITTEN_FUNCTIONS' rewrites in place of the functions."""
+    """Runs the rewrites of `functions` (the step's: _REWRITTEN_FUNCTIONS) in place of the functions."""
+
+    def __init__(self, functions: dict[Any, Callable[..., Any]] = _REWRITTEN_FUNCTIONS) -> None:
+        super().__init__()
+        self.functions = functions
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        rewrite = _REWRITTEN_FUNCTIONS.get(func)
+        rewrite = self.functions.get(func)
         return (rewrite or func)(*args, **(kwargs or {}))
 
 
@@ -1839,6 +1934,32 @@ def _function_modes_kept_through_backward() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _hooks_lifted_for_function_transforms(pack: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """torch.func's grad, vjp, jacrev and hessian refuse to run while any saved-tensor hooks are on
+    (functorch's `doesnt_support_saved_tensors_hooks`), and the tracer's own always are: x-transformers'
+    NonAutoregressiveWrapper weights its loss by a schedule's derivative, `vmap(grad_and_value(fn))`,
+    and the estimate failed where eager, which has no hooks, runs. The tracer's hooks are lifted while
+    such a transform runs; what it saves is still counted, as temporaries of its ops."""
+    original = torch.autograd.graph.disable_saved_tensors_hooks
+
+    @contextlib.contextmanager
+    def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        ours = top is not None and top[0] is pack
+        if ours:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        try:
+            with original(error_message):
+                yield
+        finally:
+            if ours:
+                torch._C._autograd._push_saved_tensors_default_hooks(*top)
+
+    with mock.patch.object(torch.autograd.graph, "disable_saved_tensors_hooks", disable_saved_tensors_hooks):
+        yield
+
+
+@contextlib.contextmanager
 def _checkpoint_inputs_unhooked(pack: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Saved-tensor hooks (the tracer's, which label saved storages as activations) make autograd
     unpack a new tensor object for each saved one. torch.utils.checkpoint saves a segment's inputs
@@ -2110,7 +2231,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     shadows = _ConstantShadows()
     with model_caches_emptied_after(), _StorageKeepingFakeMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
             _fake_parameters_swap(shadows.values.real, shadows.guessed), _lazy_parameters_real():
-        with shadows:
+        with shadows, _Rewrites(_FACTORY_REWRITES):
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
@@ -2160,6 +2281,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
                     _fake_tensors_to_numpy(recorder), _SavedWrappedNumbers(recorder), _InPlaceScopes(recorder), \
                     _Rewrites(), recorder, _module_scopes(recorder, prepared.model, calls), \
                     torch.autograd.graph.saved_tensors_hooks(mark_saved, _unpacked), _checkpoint_inputs_unhooked(mark_saved), \
+                    _hooks_lifted_for_function_transforms(mark_saved), \
                     _function_modes_kept_through_backward():
                 run_steps(prepared, config, on_phase=on_phase, **run_kwargs)
         finally:

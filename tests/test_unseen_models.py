@@ -150,6 +150,25 @@ def test_values_read_back_while_building():
     assert not predicted.approximate
 
 
+def rescaled_frequencies(batch_size: int = 2):
+    """torchtune's Llama3ScaledRoPE rescales its frequencies one by one and gathers them with
+    `torch.tensor(new_freqs)`, a list of 0-dim tensors, whose elements it copies through their data
+    pointers; the integer and bool elements beside them set the dtype as in eager."""
+    freqs = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    theta = torch.tensor([f / 4 if f < 0.5 else f for f in freqs])
+    mixed = torch.tensor([[torch.tensor(3, dtype=torch.int32)], [True]])  # int32, as eager infers
+    model = nn.Linear(4, int(mixed.sum()) + 1)
+    model.register_buffer("theta", theta * mixed.dtype.itemsize)
+    return model, (torch.randn(batch_size, 4) * theta,)
+
+
+def test_tensor_of_zero_dim_tensors_while_building():
+    """The factory failed ("The tensor has a non-zero number of elements, but its data is not
+    allocated yet"); each fake element is now read back as its known value."""
+    predicted, _ = _check(rescaled_frequencies)
+    assert not predicted.approximate
+
+
 def test_constant_shadows_follow_in_place_writes():
     from memplan.trace import _ConstantShadows
 
@@ -1236,6 +1255,68 @@ def scaled_by_python_numbers(batch_size: int = 2):
 
 def test_python_numbers_autograd_saves_live_until_backward():
     _check(scaled_by_python_numbers, optimizer="sgd")
+
+
+def function_transform_in_forward(batch_size: int = 4):
+    """x-transformers' NonAutoregressiveWrapper weights its loss by a schedule's derivative, taken in
+    forward with `vmap(grad_and_value(schedule))`: torch.func refuses to run under saved-tensor hooks."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, times):
+            slopes, _ = torch.func.vmap(torch.func.grad_and_value(lambda t: torch.cos(t * 1.5708)))(times)
+            return (self.lin(x).square().mean(-1) * slopes.abs()).mean()
+
+    return Net(), (torch.randn(batch_size, 8), torch.rand(batch_size))
+
+
+def test_function_transforms_in_forward_trace_and_match():
+    """The estimate failed ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor
+    hooks"): the tracer's hooks are lifted while the transform runs."""
+    _check(function_transform_in_forward)
+
+
+def scaled_in_place_through_a_view(batch_size: int = 2):
+    """torchtune's Gemma2 attention scales its query in place after splitting heads (`q.mul_(scaling)`
+    on a transposed view): autograd saves the number in the node that the base's CopySlices holds,
+    where no Python walk of the graph reaches it."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(16, 16)
+            self.k = nn.Linear(16, 16)
+
+        def forward(self, x):
+            q = self.q(x).view(x.shape[0], 6, 2, 8).transpose(1, 2)
+            k = self.k(x).view(x.shape[0], 6, 2, 8).transpose(1, 2)
+            q.mul_(8 ** -0.5)
+            return (q @ k.transpose(2, 3)).softmax(-1).sum()
+
+    return Net(), (torch.randn(batch_size, 6, 16),)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_python_numbers_saved_by_in_place_ops_on_views_live_until_backward(layers):
+    """Each such number was missing from the forward peak (8 bytes a layer: Gemma2 -16 B with two)."""
+    def stacked(batch_size: int = 2):
+        nets = [scaled_in_place_through_a_view(batch_size)[0] for _ in range(layers)]
+
+        class Stack(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.nets = nn.ModuleList(nets)
+
+            def forward(self, x):
+                return sum(net(x) for net in self.nets)
+
+        return Stack(), (torch.randn(batch_size, 6, 16),)
+
+    stacked.__name__ = f"scaled_in_place_through_views_{layers}"
+    _check(stacked, optimizer="sgd")
 
 
 def held_by_a_reference_cycle(batch_size: int = 2):
