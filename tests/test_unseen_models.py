@@ -1234,17 +1234,19 @@ def test_group_norm_statistics_in_float_for_mixed_types(precision):
     _check(group_normed_blocks, precision=precision, optimizer="sgd")
 
 
+class _QueryKey(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 16)
+
+
 def scaled_by_python_numbers(batch_size: int = 2):
     """Attention-style scaling by Python numbers (`q * self.scaling`, `scores / math.sqrt(d)`, an
     in-place `mul_`): autograd keeps each number's 0-dim wrapped tensor for backward, 8 bytes a time
     that the dispatch-level trace never sees allocated."""
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q = nn.Linear(16, 16)
-            self.k = nn.Linear(16, 16)
-
+    class Net(_QueryKey):
         def forward(self, x):
             q = self.q(x) * 0.25
             scores = (q @ self.k(x).transpose(1, 2)) / 4.0
@@ -1284,12 +1286,7 @@ def scaled_in_place_through_a_view(batch_size: int = 2):
     on a transposed view): autograd saves the number in the node that the base's CopySlices holds,
     where no Python walk of the graph reaches it."""
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q = nn.Linear(16, 16)
-            self.k = nn.Linear(16, 16)
-
+    class Net(_QueryKey):
         def forward(self, x):
             q = self.q(x).view(x.shape[0], 6, 2, 8).transpose(1, 2)
             k = self.k(x).view(x.shape[0], 6, 2, 8).transpose(1, 2)
