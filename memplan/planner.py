@@ -852,11 +852,9 @@ def alternatives(
 
 
 def _held_by_any_micro_batch(estimated: Estimate) -> int:
-    """The most weights, gradients and optimizer state live at once: every micro-batch size holds as
-    much at its optimizer step."""
-    at_phase_peaks = estimated.simulation.phase_breakdowns.values() if estimated.simulation else ()
-    moments = (estimated.breakdown, *at_phase_peaks)
-    return max(b.weights + b.gradients + b.optimizer_state for b in moments)
+    """The most weights, gradients and optimizer state live at once at a phase's peak: every
+    micro-batch size holds as much at its optimizer step."""
+    return max(b.weights + b.gradients + b.optimizer_state for b in estimated.simulation.phase_breakdowns.values())
 
 
 @dataclass(frozen=True)

@@ -401,6 +401,7 @@ _BLAS_OPERANDS: dict[Any, tuple[tuple[int, ...], bool]] = {
     aten.mm.default: ((0, 1), False), aten.addmm.default: ((1, 2), False),
     aten._addmm_activation.default: ((1, 2), False), aten.mv.default: ((0,), False),
     aten.addmv.default: ((1,), False), aten.bmm.default: ((0, 1), True), aten.baddbmm.default: ((1, 2), True),
+    aten.mm.out: ((0, 1), False), aten.bmm.out: ((0, 1), True),  # _grouped_mm's calls, one per group
 }
 
 
@@ -427,11 +428,9 @@ for _op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.
 
 
 def _mm_out_scratch(first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> int:
-    """One at::mm_out (or bmm_out, for batches) into `out`, as _reduced_precision_matmul counts mm."""
+    """One at::mm_out (or bmm_out, for batches) into `out`."""
     func = aten.bmm.out if first.dim() == 3 else aten.mm.out
-    if first.dtype in _REDUCED:
-        return probe_scratch(func, (first, second), {"out": out})
-    return _blas_clones(aten.bmm.default if first.dim() == 3 else aten.mm.default, (first, second), out)
+    return _reduced_precision_matmul(func)((first, second), {"out": out}, out)
 
 
 def _group_operands(mat_a: torch.Tensor, mat_b: torch.Tensor, out: torch.Tensor, group: int, start: int,
