@@ -510,8 +510,10 @@ class _Recorder(TorchDispatchMode):
         self.events.append(Event("free", sid, op=len(self.ops) - 1))
 
     def storages_of(self, tensors: list[Any]) -> list[torch.UntypedStorage]:
-        """The storages holding `tensors`' memory, in order (a sparse tensor's: its parts')."""
-        return [part.untyped_storage() for t in tensors if isinstance(t, torch.Tensor) for part in self.sparse.strided(t)]
+        """The storages holding `tensors`' memory, in order (a sparse tensor's: its parts'; a functorch
+        wrapper's, inside torch.vmap or torch.func.grad: its tensor's)."""
+        return [part.untyped_storage() for t in tensors if isinstance(t, torch.Tensor)
+                for part in self.sparse.strided(_functorch_unwrapped(t))]
 
     def set_role(self, tensor: torch.Tensor, role: str) -> None:
         for storage in self.storages_of([tensor]):
@@ -1138,7 +1140,8 @@ class _InPlaceScopes(torch.overrides.TorchFunctionMode):
         if rule is None:
             return func(*args, **kwargs)
         added = args[rule.position] if len(args) > rule.position else kwargs.get(rule.keyword)
-        if not isinstance(added, torch.Tensor) or _foreign_dispatch_modes():
+        if (not isinstance(added, torch.Tensor) or _foreign_dispatch_modes()
+                or torch._C._functorch.is_functorch_wrapped_tensor(added)):  # subclass-like: out of place in eager too
             return func(*args, **kwargs)
         self.recorder.in_place_calls.append((rule, added.untyped_storage(), len(self.recorder.ops)))
         try:
@@ -1872,6 +1875,14 @@ class _ConstantShadows(TorchDispatchMode):
             with _disable_current_modes():
                 real = torch.ones(mask.shape, dtype=torch.bool).nonzero()
         return self.values.fakes_of(real, mask.device)
+
+
+def _functorch_unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor inside functorch's wrappers (torch.vmap's batched tensors, torch.func.grad's tracking
+    ones), which have no storage of their own."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        tensor = torch._C._functorch.get_unwrapped(tensor)
+    return tensor
 
 
 def _masks_as_indices(func: Any, args: tuple, nonzero: Callable[[torch.Tensor], torch.Tensor]

@@ -1281,6 +1281,47 @@ def test_function_transforms_in_forward_trace_and_match():
     _check(function_transform_in_forward)
 
 
+def module_called_inside_vmap(batch_size: int = 4):
+    """A module called inside torch.vmap (model ensembling over stacked weights, functional_call): its
+    hooks see functorch's batched tensors, which have no storage of their own."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.func.vmap(lambda row: self.lin(row).softmax(-1))(x).square().mean()
+
+    return Net(), (torch.randn(batch_size, 8, 16),)
+
+
+def per_sample_gradients_in_forward(batch_size: int = 4):
+    """Per-sample gradients (`vmap(grad(loss))` over functional_call) as a regulariser: F.linear's bias
+    add sees torch.func.grad's wrapped tensors, which are subclass-like, so eager adds out of place."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            params = dict(self.lin.named_parameters())
+            per_sample = torch.func.vmap(torch.func.grad(
+                lambda p, row: torch.func.functional_call(self.lin, p, (row,)).square().sum()), in_dims=(None, 0))
+            grads = per_sample(params, x)
+            return sum(g.square().mean() for g in grads.values()) + self.lin(x).mean()
+
+    return Net(), (torch.randn(batch_size, 8),)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+@pytest.mark.parametrize("build", [module_called_inside_vmap, per_sample_gradients_in_forward])
+def test_modules_called_inside_function_transforms_match(build, precision):
+    """Both failed the estimate ("Cannot access storage of BatchedTensorImpl / TensorWrapper")."""
+    _check(build, precision=precision)
+
+
 def scaled_in_place_through_a_view(batch_size: int = 2):
     """torchtune's Gemma2 attention scales its query in place after splitting heads (`q.mul_(scaling)`
     on a transposed view): autograd saves the number in the node that the base's CopySlices holds,
