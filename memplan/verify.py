@@ -28,7 +28,7 @@ import inspect
 import random
 import re
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,8 @@ from memplan.workload import Workload, same_model
 SEED = 0
 SNAPSHOT_MAX_ENTRIES = 100_000
 _MARK = "memplan::phase::"  # profiler marker name prefix: memplan::phase::<phase>::<step>
-_FREED = "freed"  # marker phase: a storage of the state from before profiling was freed
+_FREED = "freed"  # marker phase: a storage of the state was freed (its data pointer in place of the step)
+_STEPS = "steps"  # marker phase: the steps begin (before it, the model is built)
 _CPU_MEMORY_DEVICES = ("CPU", "MKLDNN", "IDEEP")  # as torch.autograd.profiler counts CPU memory
 _CPU_OOM = re.compile(r"can't allocate memory|cannot allocate memory|not enough memory|out of memory", re.IGNORECASE)
 
@@ -499,13 +500,14 @@ def _state_storages(prepared: PreparedStep) -> dict[int, torch.UntypedStorage]:
     return seen
 
 
-def _mark_frees_of(storages: Iterable[torch.UntypedStorage]) -> list[weakref.finalize]:
-    """A marker when each of `storages` is freed (a buffer the forward replaces: `self.stat = ...`).
-    The profiler reports no free of a block allocated before it started, so the timeline would keep
-    counting it. Detach the finalizers returned when profiling stops: a later session must not see them."""
+def _mark_frees_of(storages: dict[int, torch.UntypedStorage]) -> list[weakref.finalize]:
+    """A marker when each storage of the state (by data pointer) is freed (a buffer the forward replaces:
+    `self.stat = ...`), for those allocated before profiling began (a factory's cached model), whose free
+    the profiler does not report. Detach the finalizers returned when profiling stops: a later session
+    must not see them."""
     finalizers = []
-    for storage in storages:
-        finalizer = weakref.finalize(storage, _mark, _FREED, storage.nbytes())
+    for pointer, storage in storages.items():
+        finalizer = weakref.finalize(storage, _mark, _FREED, pointer)
         finalizer.atexit = False
         finalizers.append(finalizer)
     return finalizers
@@ -518,32 +520,40 @@ def _mark(phase: str, step: int) -> None:
 
 
 def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, foreach: bool | None) -> Measurement:
+    """The profiler records from before the model is built, so that it reports the frees of the state's
+    own blocks during the steps (a buffer resized in place, `min_val.resize_(channels)` in a
+    quantization observer, frees its old block), which it does not for blocks allocated before it began
+    (such a block of a model built before its factory was called is still counted until the end)."""
     tracker = _PhaseTracker()
+    profiler = torch.autograd.profiler.profile(use_kineto=True, use_cpu=True, profile_memory=True)
+    oom_error: BaseException | None = None
+    skipped = 0
+    frees: list[weakref.finalize] = []
+    with quiet_stderr():
+        profiler.__enter__()
     try:
         prepared = _prepare(workload, config, "cpu", plan, foreach)
     except (RuntimeError, MemoryError) as error:
+        with quiet_stderr():
+            profiler.__exit__(None, None, None)
         if not _is_cpu_oom(error):
             raise
         return _result("cpu", "cpu", config, _Peaks(), 0, 0, tracker, error.with_traceback(None), plan)
-    # Only the allocator's events while profiling count, and the garbage collector is off meanwhile:
+    # Only the allocator's events while the steps run count, and the garbage collector is off meanwhile:
     # garbage left from building (or from earlier runs) is neither counted nor freed, so there is no
     # need to collect it first (a full collection costs more than a tiny model's steps).
-    storages = _state_storages(prepared).values()
-    baseline = sum(storage.nbytes() for storage in storages)
-    frees = _mark_frees_of(storages)
-    del storages  # holding them would keep a replaced buffer's storage alive through the step
+    storages = _state_storages(prepared)
+    state = {pointer: storage.nbytes() for pointer, storage in storages.items()}
 
     def on_phase(phase: str, step: int) -> None:
         tracker.update(phase, step)
         _mark(phase, step)
 
-    oom_error: BaseException | None = None
-    skipped = 0
-    profiler = torch.autograd.profiler.profile(use_kineto=True, use_cpu=True, profile_memory=True)
     try:
-        with collector_off():  # as run_steps does, from before the profiler starts until it stops
-            with quiet_stderr():
-                profiler.__enter__()
+        with collector_off():  # as run_steps does, from before the steps until the profiler stops
+            frees = _mark_frees_of(storages)
+            del storages  # holding them would keep a replaced buffer's storage alive through the step
+            _mark(_STEPS, 0)
             try:
                 skipped = run_steps(prepared, config, on_phase)
             except (RuntimeError, MemoryError) as error:
@@ -557,18 +567,20 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
         for finalizer in frees:
             finalizer.detach()
         del prepared
-    peaks, overall = _cpu_timeline(profiler.kineto_results, baseline)
-    return _result("cpu", "cpu", config, peaks, baseline, overall, tracker, oom_error, plan, skipped_updates=skipped)
+    peaks, overall = _cpu_timeline(profiler.kineto_results, state)
+    return _result("cpu", "cpu", config, peaks, sum(state.values()), overall, tracker, oom_error, plan,
+                   skipped_updates=skipped)
 
 
-def _cpu_timeline(results: Any, baseline: int) -> tuple[_Peaks, int]:
-    """Replay the allocator's events in time order from `baseline`; the peak within each marked
-    (phase, step) segment counts the bytes live when the segment begins.
+def _cpu_timeline(results: Any, state: dict[int, int]) -> tuple[_Peaks, int]:
+    """Replay the allocator's events in time order from the steps' start, with the state (`state`: bytes
+    by data pointer) live; the peak within each marked (phase, step) segment counts the bytes live when
+    the segment begins.
 
     Only frees of blocks allocated in this session count: c10's ProfiledCPUMemoryReporter remembers
     the size of a block allocated while profiling and freed outside it, and would report that stale
-    size against whatever block a later session places at the same address. The state's storages
-    from before it are freed by their markers (_mark_frees_of)."""
+    size against whatever block a later session places at the same address. A block of the state
+    allocated before the profiler began is freed by its marker (_mark_frees_of) instead."""
     timeline: list[tuple[int, int, str | None, int, int]] = []  # (time, order, marker or None, bytes, address)
     nodes = list(results.experimental_event_tree())
     while nodes:
@@ -582,14 +594,23 @@ def _cpu_timeline(results: Any, baseline: int) -> tuple[_Peaks, int]:
             timeline.append((node.start_time_ns, -1, node.name[len(_MARK) :], 0, 0))
     timeline.sort(key=lambda item: (item[0], item[1]))
     peaks = _Peaks()
-    live = overall = baseline
-    allocated: set[int] = set()
+    live = overall = sum(state.values())
+    allocated: set[int] = set()  # blocks allocated during the steps, live
+    profiled_state: set[int] = set()  # blocks of the state allocated while profiling, live
+    steps = False
     segment: tuple[str, int] | None = None
     for _, _, marker, nbytes, address in timeline:
+        if not steps:  # building: which blocks of the state the profiler saw allocated
+            if marker == f"{_STEPS}::0":
+                steps = True
+            elif marker is None and address in state:
+                (profiled_state.add if nbytes > 0 else profiled_state.discard)(address)
+            continue
         if marker is not None:
             phase, _, number = marker.rpartition("::")
-            if phase == _FREED:  # a storage live before profiling, of `number` bytes
-                live -= int(number)
+            if phase == _FREED:  # a block of the state that the profiler did not see allocated
+                if int(number) not in profiled_state:
+                    live -= state[int(number)]
             else:
                 segment = None if phase == "end" else (phase, int(number))
         elif nbytes > 0:
@@ -598,6 +619,9 @@ def _cpu_timeline(results: Any, baseline: int) -> tuple[_Peaks, int]:
             overall = max(overall, live)
         elif address in allocated:
             allocated.discard(address)
+            live += nbytes
+        elif address in profiled_state:
+            profiled_state.discard(address)
             live += nbytes
         if segment is not None:
             peaks.add(segment[0], segment[1], live)

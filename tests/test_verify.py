@@ -596,34 +596,44 @@ def test_a_step_whose_update_the_grad_scaler_skipped_runs_again():
     assert len(measured.step_peaks) == 2
 
 
-def _running_statistic(replace: bool):
+def _running_statistic(update: str, prebuilt: bool):
     """A 1 MiB buffer the forward updates: replaced (`self.stat = ...`, which frees the buffer's storage
-    from before the step) or in place."""
+    from before the step), resized in place from one element at the first forward (a quantization
+    observer's `min_val.resize_(channels)`: a new block, the old one freed), or in place. `prebuilt`: the
+    factory hands out a model built before it is called, whose blocks predate the profiler."""
 
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(64, 64)
-            self.register_buffer("stat", torch.zeros(1024, 256))
+            self.register_buffer("stat", torch.zeros(1) if update == "resize" else torch.zeros(1024, 256))
 
         def forward(self, x):
-            if replace:
+            if update == "replace":
                 self.stat = self.stat + 1
+            elif update == "resize" and self.stat.numel() == 1:
+                self.stat.resize_(1024, 256).fill_(1)
             else:
                 self.stat.add_(1)
             return self.fc(x).sum()
 
-    return lambda batch_size=2: (Net(), (torch.randn(batch_size, 64),))
+    built = Net() if prebuilt else None
+    return lambda batch_size=2: (built or Net(), (torch.randn(batch_size, 64),))
 
 
-def test_a_buffer_replaced_in_forward_frees_its_storage_from_before_the_step():
+@pytest.mark.parametrize(("update", "prebuilt"), [("replace", False), ("replace", True), ("resize", False)])
+def test_a_buffer_replaced_or_resized_in_forward_frees_its_storage_from_before_the_step(update, prebuilt):
     """The profiler reports no free of a block allocated before it started: the measurement counted the
-    replaced buffer's old storage until the end (1 MiB over, from the first forward on)."""
+    replaced buffer's old storage until the end (1 MiB over, from the first forward on), and a resized
+    one's old block (4 B over; the profiler now records from before the model is built). A model built
+    before its factory is called and resized in place stays 4 B over: its storage lives on, so no
+    marker can say when the old block went."""
     config = StepConfig(precision="fp32", optimizer="sgd", steps=2)
-    replaced = measure(Workload("replaced", _running_statistic(True), 2, {}), config, device="cpu")
-    in_place = measure(Workload("in place", _running_statistic(False), 2, {}), config, device="cpu")
+    updated = measure(Workload(update, _running_statistic(update, prebuilt), 2, {}), config, device="cpu")
+    in_place = measure(Workload("in place", _running_statistic("in place", prebuilt), 2, {}), config, device="cpu")
     # after the forward both hold one 1 MiB buffer: the same bytes
-    assert replaced.phase_peaks["optimizer"] == in_place.phase_peaks["optimizer"]
-    assert replaced.phase_peaks["backward"] == in_place.phase_peaks["backward"]
-    # and while replacing, the old and the new buffer are both live
-    assert replaced.phase_peaks["forward"] >= replaced.baseline_bytes + 1024 * 256 * 4
+    assert updated.phase_peaks["optimizer"] == in_place.phase_peaks["optimizer"]
+    assert updated.phase_peaks["backward"] == in_place.phase_peaks["backward"]
+    # and while updating, the old and the new buffer are both live
+    if update == "replace":
+        assert updated.phase_peaks["forward"] >= updated.baseline_bytes + 1024 * 256 * 4
