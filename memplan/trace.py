@@ -545,6 +545,8 @@ class _Recorder(TorchDispatchMode):
         if missing:
             raise NotImplementedError(f"{func}: {missing}")
         self._alias_conversions(inputs)
+        for operand, numel in _RESIZED_OPERANDS[func](args, kwargs) if func in _RESIZED_OPERANDS else ():
+            operand.resize_(numel)
         written = _written_arguments(func, args, kwargs)
         sparse = any(t.layout is not torch.strided for t in inputs)
         read_storages = dict.fromkeys(self.storages_of(inputs))  # in argument order
@@ -897,6 +899,32 @@ def _full_dtype(value: Any, kwargs: dict) -> torch.dtype:
     return torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.get_default_dtype()
 
 
+def _observer_buffers_sized(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
+    """fused_moving_avg_obs_fake_quant per channel (quantization-aware training's fused weight
+    observers): on the first call its CPU and CUDA kernels size the empty running min and max, and the
+    scale and zero point, to the channels (fused_obs_fake_quant.cpp: `running_min.resize_(size)`)."""
+    x, running_min, running_max, scale, zero_point = args[0], *args[3:7]
+    ch_axis = args[10]
+    per_row = args[11] if len(args) > 11 else kwargs.get("per_row_fake_quant", False)
+    if not per_row or running_min.numel() != 0:
+        return []
+    return [(t, x.shape[ch_axis]) for t in (running_min, running_max, scale, zero_point)]
+
+
+# Kernels that resize some of their mutable operands, which the fake kernels leave as they are (op ->
+# (args, kwargs) -> [(operand, its new number of elements)]): the op grows those storages (_regrow)
+_RESIZED_OPERANDS: dict[Any, Callable[[tuple, dict], list[tuple[torch.Tensor, int]]]] = {
+    torch.ops.aten._fused_moving_avg_obs_fq_helper.default: _observer_buffers_sized,
+}
+
+
+def _observed_not_float32(args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> str | None:
+    """fused_moving_avg_obs_fake_quant's kernels read the input's extremes as float32
+    (fused_obs_fake_quant.cpp, FusedObsFakeQuant.cu: `x_min.data_ptr<float>()`; the CPU's only while
+    observing, as in training): a quantization-aware model under autocast or in bf16 fails."""
+    return None if args[0].dtype == torch.float32 else f"expected scalar type Float but found {args[0].dtype}"
+
+
 # Checks eager's CPU and CUDA kernels make that the fake kernels skip (op -> (args, kwargs, tensor
 # operands) -> what eager raises, or None): without them the estimate would be a step that cannot run
 _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | None]] = {
@@ -909,6 +937,7 @@ _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | Non
                     lambda args, kwargs, inputs: _overflowing(args[-1], args[0].dtype)),
     **dict.fromkeys((torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
                      torch.ops.aten._index_put_impl_.default), _index_put_dtypes),
+    torch.ops.aten._fused_moving_avg_obs_fq_helper.default: _observed_not_float32,
     torch.ops.aten.full.default: lambda args, kwargs, inputs: _overflowing(args[1], _full_dtype(args[1], kwargs)),
     torch.ops.aten.full_like.default:
         lambda args, kwargs, inputs: _overflowing(args[1], kwargs.get("dtype") or args[0].dtype),

@@ -1322,6 +1322,44 @@ def test_modules_called_inside_function_transforms_match(build, precision):
     _check(build, precision=precision)
 
 
+def quantization_aware_training(batch_size: int = 2):
+    """torch.ao.quantization.prepare_qat with the x86 QAT config: each conv's weight goes through a fused
+    per-channel observer and fake-quantizer, whose kernel sizes its empty running min and max, scale and
+    zero point to the channels at the first forward (new blocks: the old ones freed)."""
+    from torch.ao import quantization
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = quantization.QuantStub(), quantization.DeQuantStub()
+            self.conv1, self.relu, self.conv2 = nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 8, 3)
+
+        def forward(self, x):
+            return self.dequant(self.conv2(self.relu(self.conv1(self.quant(x))))).square().mean()
+
+    model = Net()
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    quantization.prepare_qat(model.train(), inplace=True)
+    return model, (torch.randn(batch_size, 3, 16, 16),)
+
+
+def test_quantization_aware_training_matches():
+    """The estimate was short in every phase: the observers' buffers sized at the first forward."""
+    _check(quantization_aware_training)
+
+
+@pytest.mark.parametrize("precision", ["amp-bf16", "bf16"])
+def test_quantization_aware_training_in_bf16_fails_as_eager(precision):
+    """The fused observers' kernels take float32 only: eager fails, and the estimate (which estimated a
+    step that cannot run, and so suggested amp-bf16 as a way to fit) now fails alike."""
+    workload = Workload("qat", quantization_aware_training, None, {})
+    config = StepConfig(precision=precision, optimizer="sgd", steps=1)
+    with pytest.raises(RuntimeError, match="expected scalar type Float"):
+        measure(workload, config, device="cpu")
+    with pytest.raises(RuntimeError, match="expected scalar type Float"):
+        estimate(workload, config, device="cpu")
+
+
 def scaled_in_place_through_a_view(batch_size: int = 2):
     """torchtune's Gemma2 attention scales its query in place after splitting heads (`q.mul_(scaling)`
     on a transposed view): autograd saves the number in the node that the base's CopySlices holds,
