@@ -5,6 +5,10 @@ materialises the attention matrix; on a CUDA GPU the fused kernels handle dropou
 So when tracing for CUDA, SDPA goes to the kernel CUDA would pick (torch's
 sdp_utils priority: flash attention, then memory-efficient attention, then math): flash for
 fp16/bf16 without an explicit mask and head dim <= 256, memory-efficient otherwise (fp32, masks).
+Flash takes grouped-query attention's fewer key/value heads as they are (`enable_gqa=True`); for the
+memory-efficient kernel each is repeated for its group, an upper bound (its meta backward takes no groups).
+On Hopper and Blackwell with a recent cuDNN, torch prefers cuDNN's attention, which keeps what flash
+keeps (the output and one float per row); its workspace is not modelled.
 Both have meta kernels, so they run under fake tensors with their real saved tensors (output and
 log-sum-exp, not the attention matrix).
 
@@ -38,12 +42,15 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     if torch.is_autocast_enabled("cpu"):  # the emulated CUDA autocast: SDPA is on the lower-precision list
         dtype = torch.get_autocast_dtype("cpu")
         query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
-    if enable_gqa and key.size(-3) != query.size(-3):  # grouped-query attention: share each key/value head
-        repeat = query.size(-3) // key.size(-3)
-        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     with torch.autocast("cpu", enabled=False):
         if query.dtype in FLASH_DTYPES and attn_mask is None and query.size(-1) <= FLASH_MAX_HEAD_DIM:
+            # grouped-query attention's fewer key/value heads as they are: flash takes them (sdp_utils.cpp)
             return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if enable_gqa and key.size(-3) != query.size(-3):
+            # each key/value head repeated for its group of query heads, an upper bound: the
+            # memory-efficient kernel takes them grouped too, but its meta backward does not
+            repeat = query.size(-3) // key.size(-3)
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
         needs_lse = query.requires_grad or key.requires_grad or value.requires_grad
         return aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, needs_lse, dropout_p, is_causal, scale=scale

@@ -84,7 +84,10 @@ def gpu_cases(small_gpu: bool) -> list[Case]:
         {"model": "bert-base", "batch_size": 16 // half},
         {"model": "vit-b16", "batch_size": 32 // half},
     ]
+    # grouped-query attention (8 key/value heads for 32): flash takes them grouped, nothing repeated
+    gqa = {"model": "llama3-8b", "batch_size": 1, "options": {"n_layer": 2, "seq_len": 2048 // half}}
     cases = [Case(**gpt2, precision=p, optimizer=o) for p in PRECISIONS for o in OPTIMIZERS]
+    cases += [Case(**gqa, precision=p, optimizer="sgd") for p in ("amp-bf16", "bf16")]
     cases += [Case(**gpt2, precision=p, optimizer="adamw", plan=True) for p in ("fp32", "amp-bf16")]
     cases += [Case(**m, precision="amp-bf16", optimizer="adamw", plan=True, selective=True) for m in (gpt2, llama)]
     cases += [Case(**m, precision=p, optimizer="adamw") for m in others for p in ("fp32", "amp-bf16")]

@@ -236,6 +236,23 @@ def test_cuda_traces_use_the_fused_attention_cuda_picks(precision, kernel):
                    for op in cpu_trace.ops)
 
 
+@pytest.mark.parametrize("precision, repeated", [("bf16", False), ("fp32", True)])
+def test_cuda_flash_attention_takes_grouped_key_value_heads(precision, repeated):
+    """Grouped-query attention (`enable_gqa=True`): CUDA's flash kernel takes the fewer key/value heads
+    as they are (sdp_utils.cpp: flash supports grouped-query attention), so nothing is repeated and
+    backward keeps the grouped key and value; the memory-efficient path (fp32) repeats them, a bound.
+    Not checked on a GPU."""
+    from memplan.estimate import estimate_and_trace
+
+    workload = _tiny("llama3-8b")
+    _, trace = estimate_and_trace(workload, StepConfig(precision=precision, optimizer="sgd"), device="cuda")
+    kernel = "flash" if precision == "bf16" else "efficient"
+    attention = next(op for op in trace.ops if op.name == f"aten._scaled_dot_product_{kernel}_attention.default")
+    query, key = (trace.storages[sid].nbytes for sid in attention.reads[:2])
+    heads, kv_heads = TINY_OVERRIDES["llama3-8b"]["n_head"], TINY_OVERRIDES["llama3-8b"]["n_kv_head"]
+    assert key * (1 if repeated else heads // kv_heads) == query
+
+
 @pytest.mark.parametrize("precision, noise_bytes", [("fp32", 4), ("bf16", 2)])
 def test_cuda_dropout_saves_a_bool_mask_where_the_cpu_saves_noise(precision, noise_bytes):
     """Dropout.cpp: on CUDA, native_dropout keeps a one-byte bool mask for backward; the CPU's composite
