@@ -125,6 +125,29 @@ def _col2im_storage(args: tuple, kwargs: dict, out: Any) -> Any:
 OUTPUT_FIXES[("cpu", aten.col2im.default)] = _col2im_storage
 
 
+def _slow_transpose3d_storage(args: tuple, kwargs: dict, out: Any) -> Any:
+    """aten/src/ATen/native/NaiveConvolutionTranspose3d.cpp slow_conv_transpose3d_cpu: `output =
+    at::empty_like(input)`, then resized in place to the output's shape, so an output smaller than its
+    input keeps the input's storage (fake: the output's). At::_convolution takes that kernel for an
+    ungrouped transposed 3-d convolution oneDNN does not run (fp32, 1x1x1, unstrided, a batch under 16
+    on one thread: MedNeXt's output head, 8 channels in, 2 out); the rule asks it which backend it takes."""
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
+    if not transposed or groups != 1 or weight.dim() != 5 or not isinstance(out, torch.Tensor):
+        return out
+    try:
+        backend = torch._C._select_conv_backend(x, weight, bias, stride, padding, dilation, transposed,
+                                                output_padding, groups)
+    except (RuntimeError, TypeError):  # no backend to ask: the fake output as it is
+        return out
+    needed = x.numel() * out.element_size()
+    if backend != torch._C._ConvBackend.SlowTranspose3d or needed <= out.untyped_storage().nbytes():
+        return out
+    return out.new_empty((x.numel(),)).as_strided(out.shape, out.stride(), 0)
+
+
+OUTPUT_FIXES[("cpu", aten.convolution.default)] = _slow_transpose3d_storage
+
+
 def _mixed_type_stats_fp32(params: slice) -> OutputFix:
     """aten/src/ATen/native/layer_norm.cpp layer_norm_cpu and group_norm.cpp native_group_norm: with a
     bf16/fp16 input and an fp32 weight or bias (`args[params]`; autocast keeps the norms' parameters

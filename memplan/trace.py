@@ -758,6 +758,9 @@ class _Recorder(TorchDispatchMode):
             if tensor in self.known.typical:
                 self.approximate.append(self.known.typical[tensor])
             return self.known.item(tensor)
+        element = self.known.element(tensor)
+        if element is not None:  # one element of a many-element draw: its likelier side
+            return element
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
         if self.value_tests.get(tensor):
@@ -1404,6 +1407,14 @@ _DRAW_MEDIANS: dict[Any, Callable[..., float]] = {
 }
 
 
+# ops whose every output element is one element of an operand, moved (views, copies, indexing): per-element
+# stand-ins pass through them (`_RealValues._per_element`)
+_ELEMENT_MOVES = {getattr(torch.ops.aten, name) for name in (
+    "select", "unbind", "slice", "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t",
+    "squeeze", "unsqueeze", "alias", "clone", "_to_copy", "detach", "copy_", "copy", "index", "index_put_",
+    "index_put", "flatten", "contiguous", "lift_fresh", "fill_", "fill", "masked_fill_", "masked_fill")}
+
+
 # ops that pick positions by comparing values (a router's top-k experts, Switch Transformers' argmax): over
 # values no one knows, their indices are drawn as over independent uniform values, so the selections that
 # follow (`torch.where(top_k == e)`, tokens per expert) read a typical routing, balanced in expectation,
@@ -1699,6 +1710,10 @@ class _RealValues:
         self.selections = selections  # indices of _TYPICAL_SELECTIONS over unknown values too (see `selected`)
         self.real: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.typical: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # known from a draw: its op's name
+        # fake -> per-element stand-ins of a many-element float draw (each element its distribution's
+        # median) and of what pointwise ops and element moves make of them: read back one element at a
+        # time only (`_Recorder._scalar`), never as a whole (see `_per_element`)
+        self.elements: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
         # generator -> (its state before this build's latest run of draws from it, the state they left it in)
         self.drawn: dict[torch.Generator, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -1786,6 +1801,50 @@ class _RealValues:
                 return []
         return [o if isinstance(o, torch.Tensor) and not o.is_floating_point() else None for o in tree_flatten(out)[0]]
 
+    def element(self, tensor: torch.Tensor) -> Any:
+        """A one-element tensor's per-element stand-in (`elements`), or None."""
+        if tensor.numel() != 1 or tensor not in self.elements:
+            return None
+        with _disable_current_modes():
+            return self.elements[tensor].item()
+
+    def _per_element(self, func: Any, args: tuple, kwargs: dict, flat_out: list[Any], written: list[torch.Tensor]
+                     ) -> bool:
+        """Keep per-element stand-ins (`elements`) for a many-element float draw (each element its
+        distribution's median, as a single draw reads) and for a pointwise op or an element move over
+        them; whether it did. Each element is a draw of its own: its likelier side is what a real step
+        reads when it tests that element alone (CaiT's and XCiT's layer dropout: `to_drop =
+        torch.zeros(depth).uniform_(0, 1) < p`, then `if not drop` per layer, every layer kept at p <
+        0.5). A reduction over them (`mask.sum()`, `nonzero`) is a count, which no one median stands
+        for: such values stay unknown (`real`), as before."""
+        outputs = [t for t in flat_out if isinstance(t, FakeTensor)]
+        if func._overloadpacket in _DRAW_MEDIANS:
+            if len(outputs) != 1 or not outputs[0].is_floating_point():
+                return False
+            self.forget(written)  # a draw in place overwrites every element (`torch.zeros(n).uniform_()`)
+            self.elements[outputs[0]] = self.median(func, args, kwargs, outputs[0])
+            return True
+        if any(t in self.real for t in written):
+            return False  # never write a known value with a stand-in
+        flat, spec = tree_flatten((args, kwargs))
+        if not any(isinstance(v, FakeTensor) and v in self.elements for v in flat):
+            return False
+        if torch.Tag.pointwise not in func.tags and func._overloadpacket not in _ELEMENT_MOVES:
+            return False
+        if any(isinstance(v, FakeTensor) and v not in self.elements and v not in self.real for v in flat):
+            return False
+        real_args, real_kwargs = tree_unflatten(
+            [self.elements.get(v, self.real.get(v)) if isinstance(v, FakeTensor) else v for v in flat], spec)
+        try:
+            with _disable_current_modes():
+                real_out = tree_flatten(func(*real_args, **real_kwargs))[0]
+        except Exception:  # noqa: BLE001 - no stand-ins, no harm: the values stay unknown
+            return False
+        for fake, real in zip(flat_out, real_out):
+            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor) and fake.shape == real.shape:
+                self.elements[fake] = real
+        return True
+
     def typical_source(self, values: Any) -> str | None:
         """The selection whose draw the first of `values` (flattened) known from one rests on."""
         return next((self.typical[t] for t in tree_flatten(values)[0] if isinstance(t, FakeTensor) and t in self.typical),
@@ -1836,6 +1895,11 @@ class _RealValues:
                 real_out = self.median(func, args, kwargs, outputs[0])
             if real_out is None and self.selections and func._overloadpacket in _TYPICAL_SELECTIONS:
                 real_out, typical = self.selected(func, args, kwargs), str(func)
+            # (the step's values only, as selections: the factory's float draws stay unknown)
+            if real_out is None and self.selections and self._per_element(func, args, kwargs, flat_out, written):
+                return
+        for t in written:
+            self.elements.pop(t, None)
         if real_out is None:
             if written and self.storages:
                 self.forget(written)

@@ -495,6 +495,33 @@ def test_a_branch_on_a_single_random_draw_takes_the_likelier_side(draw, skip_whe
     _estimated_as_measured(workload, StepConfig("fp32", "adamw", steps=2))
 
 
+@pytest.mark.parametrize("p", [1e-9, 2.0])  # never drops; drops every layer (then keeps the first)
+def test_a_test_of_each_element_of_a_many_element_draw_takes_its_likelier_side(p):
+    """vit-pytorch's CaiT and XCiT layer dropout: `to_drop = torch.zeros(depth).uniform_(0, 1) < p`,
+    `if all(to_drop): to_drop[i] = False`, then `if not drop` per layer. Each element read back alone
+    is a single draw: it reads as its distribution's median. Before, each read as true, every layer was
+    dropped (the loss then depended on no parameter and the estimate failed; CaiT at p = 0.1: 180,360 B
+    short). The thresholds make the real step's branches certain, so the measure is the ground truth."""
+
+    class ElementDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+        def forward(self, x):
+            to_drop = torch.zeros(len(self.layers)).uniform_(0.0, 1.0) < p
+            if all(to_drop):
+                to_drop[0] = False
+            for layer, drop in zip(self.layers, to_drop):
+                if not drop:
+                    x = torch.relu(layer(x))
+            return x.pow(2).mean()
+
+    workload = Workload("element-drop", lambda batch_size=8: (ElementDrop(), (torch.randn(batch_size, 16, 64),)), None, {})
+    predicted, measured = _estimated_as_measured(workload, StepConfig("fp32", "adamw", steps=2))
+    assert predicted.phase_peaks == dict(measured.phase_peaks)
+
+
 @functools.lru_cache(maxsize=4)
 def _cached_index(n):
     """A module-level cache holding a tensor, as transformers' BEiT caches its relative position index."""
