@@ -1811,6 +1811,92 @@ class _RealValues:
             self.keep(flat_out, tree_flatten(real_out)[0], typical)
 
 
+class _Lineage:
+    """How the factory's fake tensors whose values `_RealValues` does not keep (over its size limit, or
+    drawn at random in floating point) were made: each out-of-place op, its operands and, for a draw,
+    its generator's state before it. A value read back while building (`.item()`) is computed for real
+    from them, on demand (e3nn's `normalize2mom`: `moment(f, 2)` over a million float64 samples drawn
+    from a generator of its own, `.pow(-0.5).item()`: a constant a real build computes alike). Operands
+    written in place after an op read them (or after they were made) have no lineage to replay: their
+    values stay unknown, as before. Values made uninitialized (`torch.empty`) have none either."""
+
+    LIMIT = 1 << 26  # elements computed for one read, all ops together
+    _UNINITIALIZED = frozenset(getattr(torch.ops.aten, n) for n in (
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"))
+
+    def __init__(self) -> None:
+        # fake output -> (op, args, kwargs, which output, generator states, the operands' and output's versions)
+        self.made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    @staticmethod
+    def states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Generator, torch.Tensor]] | None:
+        """A draw's generators and their states before it (None: not a draw)."""
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return None
+        generators = [g for g in tree_flatten((args, kwargs))[0] if isinstance(g, torch.Generator)]
+        with _disable_current_modes():
+            return [(g, g.get_state()) for g in generators or [torch.default_generator]]
+
+    def record(self, func: Any, args: tuple, kwargs: dict, flat_out: list[Any], states: Any, values: _RealValues) -> None:
+        if func._overloadpacket in self._UNINITIALIZED or not flat_out:
+            return
+        operands = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) and t not in values and t not in self.made for t in operands) \
+                or any(t.layout is not torch.strided for t in operands):
+            return
+        versions = tuple(t._version for t in operands)
+        for index, out in enumerate(flat_out):
+            if isinstance(out, FakeTensor) and out not in values and out.layout is torch.strided:
+                self.made[out] = (func, args, kwargs, index, states, versions, out._version)
+
+    def realize(self, tensor: Any, values: _RealValues) -> torch.Tensor | None:
+        """The real value of a fake tensor made by the factory, or None where it cannot be known."""
+        budget = [self.LIMIT]
+        memo: dict[int, torch.Tensor | None] = {}
+        try:
+            with _disable_current_modes():
+                return self._realize(tensor, values, memo, budget)
+        except (RecursionError, RuntimeError, ValueError, TypeError, IndexError):
+            return None
+
+    def _realize(self, tensor: Any, values: _RealValues, memo: dict, budget: list[int]) -> torch.Tensor | None:
+        if not isinstance(tensor, FakeTensor):
+            return tensor
+        if tensor in values:
+            return values.real[tensor]
+        if id(tensor) in memo:
+            return memo[id(tensor)]
+        memo[id(tensor)] = None
+        entry = self.made.get(tensor)
+        if entry is None:
+            return None
+        func, args, kwargs, index, states, versions, version = entry
+        flat, spec = tree_flatten((args, kwargs))
+        operands = [t for t in flat if isinstance(t, torch.Tensor)]
+        if tensor._version != version or tuple(t._version for t in operands) != versions:
+            return None  # written in place since: the recorded ops no longer make its value
+        budget[0] -= sum(t.numel() for t in operands) + tensor.numel()
+        if budget[0] < 0:
+            return None
+        reals = []
+        for value in flat:
+            real = self._realize(value, values, memo, budget) if isinstance(value, torch.Tensor) else value
+            if real is None and value is not None:
+                return None
+            reals.append(real)
+        real_args, real_kwargs = tree_unflatten(reals, spec)
+        with contextlib.ExitStack() as stack:
+            for generator, state in states or ():
+                now = generator.get_state()
+                stack.callback(generator.set_state, now)
+                generator.set_state(state)
+            out = tree_flatten(func(*real_args, **real_kwargs))[0][index]
+        if not isinstance(out, torch.Tensor) or out.shape != tensor.shape or out.dtype != tensor.dtype:
+            return None
+        memo[id(tensor)] = out
+        return out
+
+
 class _ConstantShadows(TorchDispatchMode):
     """While the factory builds the model under fake tensors, small tensors computed from constants
     alone (`torch.linspace(0, drop_path_rate, depth).tolist()`, `int(torch.tensor(sizes).prod())`)
@@ -1828,9 +1914,11 @@ class _ConstantShadows(TorchDispatchMode):
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
         self.approximate: list[str] = []
         self.sparse = _SparseTensors(self.values, self.approximate)  # a sparse input (a graph's adjacency)
+        self.lineage = _Lineage()  # how the tensors whose values are not kept were made
 
     def __exit__(self, *exc: object) -> None:
         self.values.put_generators_back()
+        self.lineage = _Lineage()
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -1839,6 +1927,12 @@ class _ConstantShadows(TorchDispatchMode):
             return self.values.item(args[0])
         if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.guessed:
             return self.guessed[args[0]]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            real = self.lineage.realize(args[0], self.values)
+            if real is not None:  # a constant made by sampling (e3nn's normalize2mom): as the ops that made it say
+                with _disable_current_modes():
+                    return real.item()
+        states = self.lineage.states(func, args, kwargs)
         if func in (torch.ops.aten.allclose.default, torch.ops.aten.equal.default):
             # a check of values made at random (parametrizations.orthogonal's right_inverse): it passes
             real = self.values.compute(func, args, kwargs, [])
@@ -1857,7 +1951,10 @@ class _ConstantShadows(TorchDispatchMode):
         flat_out = tree_flatten(out)[0]
         if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
             return out  # no values kept for sparse tensors outside the sparse table (a CSR input)
-        self.values.run(func, args, kwargs, flat_out, _written_arguments(func, args, kwargs))
+        written = _written_arguments(func, args, kwargs)
+        self.values.run(func, args, kwargs, flat_out, written)
+        if not written:
+            self.lineage.record(func, args, kwargs, flat_out, states, self.values)
         if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:
             self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
