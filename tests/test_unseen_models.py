@@ -312,6 +312,49 @@ def test_a_value_written_in_place_after_it_was_made_stays_unknown():
 # Ops whose fake kernels refuse to run or allocate differently
 
 
+_ACTIVATION_BACKWARDS = {
+    "elu": lambda g, x: torch.ops.aten.elu_backward(g, 1.0, 1, 1, False, x),
+    "hardswish": torch.ops.aten.hardswish_backward, "hardsigmoid": torch.ops.aten.hardsigmoid_backward,
+    "hardtanh": lambda g, x: torch.ops.aten.hardtanh_backward(g, x, -1.0, 1.0),
+    "softplus": lambda g, x: torch.ops.aten.softplus_backward(g, x, 1.0, 20.0),
+    "logit": torch.ops.aten.logit_backward,
+    "leaky_relu": lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, 0.01, False),
+    "relu": lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.0),
+    "mse": lambda g, x: torch.ops.aten.mse_loss_backward(g.sum(), x, x.detach().clone(), 1),
+    "huber": lambda g, x: torch.ops.aten.huber_loss_backward(g.sum(), x, x.detach().clone(), 1, 1.0),
+}
+_LAYOUTS = {"permuted": lambda: torch.rand(4, 64, 16).permute(2, 0, 1), "contiguous": lambda: torch.rand(16, 4, 64),
+            "expanded": lambda: torch.rand(1, 1, 1).expand(16, 4, 64),
+            "transposed": lambda: torch.rand(16, 64, 4).transpose(1, 2)}
+
+
+@pytest.mark.parametrize("op", list(_ACTIVATION_BACKWARDS))
+def test_activation_and_loss_gradients_are_laid_out_as_eagers(op):
+    """The tracer's output rules (the CPU's) lay out each activation's gradient as TensorIterator does
+    over (grad_output, input) and the regression losses' row-major; fake mode's decompositions followed
+    the input (zuko's UNAF in bf16: a transposed ELU gradient reached a bmm contiguous, whose oneDNN
+    scratch parted, 32,896 B short in backward). The truth: eager's own output, over pairs of layouts."""
+    from memplan.devices import output_fixes
+    fix, fn = output_fixes("cpu"), _ACTIVATION_BACKWARDS[op]
+    for (gl, g), (xl, x) in itertools.product(_LAYOUTS.items(), _LAYOUTS.items()):
+        if gl == xl == "expanded":
+            continue
+        grad, inp = g(), x()
+        eager = fn(grad, inp)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fg, fx = mode.from_tensor(grad), mode.from_tensor(inp)
+
+
+            class Rules(torch.utils._python_dispatch.TorchDispatchMode):  # as the tracer applies them
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    return fix(func, args, kwargs or {}, func(*args, **(kwargs or {})))
+
+            with Rules():
+                fake = fn(fg, fx)
+        assert fake.stride() == eager.stride(), (op, gl, xl)
+
+
+
 def ctc_audio(batch_size: int = 4, targets_2d: bool = True):
     class Net(nn.Module):
         def __init__(self):
