@@ -2290,6 +2290,10 @@ def _fake_parameters_swap(*tables: Any) -> Iterator[None]:
             for tensor, value in ((t1, v2), (t2, v1)):
                 if value is not _ABSENT:
                     table[tensor] = value
+            if v2 is _ABSENT and isinstance(v1, torch.Tensor) and v1.shape == t1.shape and v1.dtype != t1.dtype \
+                    and v1.is_floating_point() and t1.is_floating_point():
+                with _disable_current_modes():  # a known value converted (`model.to(torch.bfloat16)`): as eager's cast
+                    table[t1] = v1.to(t1.dtype)
 
     torch.utils.swap_tensors = swap_tensors
     try:
@@ -2332,19 +2336,29 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
+        built_buffers = dict(model.named_buffers())  # before the precision converts them
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
         recorder.sparse.parts.update(shadows.sparse.parts)
         _register_baseline(recorder, prepared)
         parameters = frozenset(recorder.ids[p.untyped_storage()] for p in prepared.model.parameters())
-        # the inputs' known values, and those of the integer buffers the model made from constants
-        # (EnCodec's padded convolutions keep their stride and kernel size as int64 buffers and pad by
-        # `(length - kernel_size + padding_total) / stride`): a real step reads their values
-        buffers = [b for b in prepared.model.buffers() if not b.is_floating_point() and not b.is_complex()]
+        # the inputs' known values, and those of the buffers the model made from constants (EnCodec's
+        # padded convolutions keep their stride and kernel size as int64 buffers and pad by
+        # `(length - kernel_size + padding_total) / stride`; a neural ODE's time points, a float
+        # `linspace` from which torchdiffeq's fixed-step solvers size their grid with `.item()`): a real
+        # step reads their values
+        buffers = list(prepared.model.buffers())
         recorder.approximate.extend(shadows.approximate)
         for value in (part for t in [*_input_tensors(prepared), *buffers] for part in recorder.sparse.strided(t)):
             if value in shadows.values and recorder.known.keeps(value):
                 recorder.known.keep([value], [shadows.values.real[value]])
+        for name, buffer in prepared.model.named_buffers():  # a known buffer the precision converted: cast as eager's
+            built = built_buffers.get(name)
+            if buffer not in shadows.values and built is not None and built in shadows.values \
+                    and built.shape == buffer.shape and recorder.known.keeps(buffer) and buffer.layout is torch.strided:
+                with _disable_current_modes():
+                    recorder.known.keep([buffer], [shadows.values.real[built].to(buffer.dtype)])
+        del built_buffers
         del shadows
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}
 
