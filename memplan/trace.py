@@ -42,6 +42,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan.errors import BadInput
 from memplan.scratch import as_saved_number
 from memplan.step import PreparedStep, StepConfig, memory_parts, model_caches_emptied_after, prepare_step, run_steps
 from memplan.workload import Workload
@@ -419,6 +420,30 @@ def _as_eager_views(func: Any, args: tuple, out: Any) -> Any:
     return torch.ops.aten.as_strided.default(out, out.shape, strides, out.storage_offset())
 
 
+# Values read back from unknown values in one traced step before the estimate gives up: a loop that
+# runs until a value says stop (an adaptive ODE solver: `while t < t1`, with `t` advanced by a step whose
+# size comes from an error estimate) never ends when every such value reads 1 or true
+UNKNOWN_READS_LIMIT = 4_096
+
+
+# The same line of the program reading unknown values back this many times within one module call is a
+# loop steered by them (torchdiffeq's dopri5: `while next_t > t1` and `if accept_step` at every step; a
+# check once per layer reads once per call): the number of its trips, and what they allocate, is a
+# guess, and the estimate says so (approximate)
+LOOP_READS = 3
+
+
+def _reading_site() -> str:
+    """The innermost frame outside torch and memplan: where the program read a value back."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/torch/" not in name and "/memplan/" not in name and "/contextlib" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
 class _Recorder(TorchDispatchMode):
     """Sees every aten op above the fake mode; records storages and their lifetimes."""
 
@@ -436,6 +461,10 @@ class _Recorder(TorchDispatchMode):
         self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
         self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
+        self.unknown_reads = 0  # values read back that no one knows (see _scalar)
+        # how many were read at one line of the program within one module call (see LOOP_READS)
+        self.read_sites: Counter[tuple[str, str, int]] = Counter()
+        self.call_opened = [0]  # the module hook count when each open module call began (module_stack's)
         self.saved_numbers: defaultdict[int, list[Any]] = defaultdict(list)  # node's sequence number -> values
         # unknown bool tensors that test floating-point values (isnan, var < 0), and whole-tensor tests of
         # them: any() -> False (see _note_value_test)
@@ -756,6 +785,18 @@ class _Recorder(TorchDispatchMode):
             return self.known.item(tensor)
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
+        self.unknown_reads += 1
+        site = _reading_site()
+        key = (site, self.module_stack[-1], self.call_opened[-1])
+        self.read_sites[key] += 1
+        if self.read_sites[key] == LOOP_READS:  # a loop steered by the data: its trip count is a guess
+            self.approximate.append(f"a loop reading unknown values back ({site})")
+        if self.unknown_reads > UNKNOWN_READS_LIMIT:
+            raise BadInput(
+                f"the training step read back more than {UNKNOWN_READS_LIMIT:,} values that depend on the data "
+                "(each read as 1 or true under fake tensors): a loop whose end depends on the data, such as an "
+                "adaptive ODE solver's step control or an iterative solve to a tolerance, cannot be traced; "
+                "use a fixed number of steps (a fixed-step solver, a fixed iteration count)")
         if self.value_tests.get(tensor):
             return False
         if tensor.dtype == torch.bool:
@@ -1010,13 +1051,16 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         path = paths.get(id(module))
         if path is not None:
             recorder.module_stack.append(path)
-            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), hook_run(), identities(module),
+            opened = hook_run()
+            recorder.call_opened.append(opened)
+            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), opened, identities(module),
                                (_host_generator_states(), len(seedings))))
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None and open_calls and open_calls[-1][0] == path:
             recorder.module_stack.pop()
+            recorder.call_opened.pop()
             _, first, inputs, opened, attributes, generators = open_calls.pop()
             # global pre-hooks get no keyword arguments: the tensors passed by keyword (an attention
             # mask, encoder states) are added here, after the positional ones

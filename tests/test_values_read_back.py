@@ -1,14 +1,17 @@
 """Steps that read values back and let them steer Python (neural ODE solvers: torchdiffeq's fixed grid
-sized by `.item()` of its time points). The ground truth is always
+sized by `.item()` of its time points, its adaptive solvers' step control). The ground truth is always
 `memplan.verify.measure`.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
+from memplan.errors import BadInput
 from memplan.estimate import estimate
 from memplan.step import StepConfig
 from memplan.verify import measure
@@ -53,3 +56,98 @@ def test_a_float_buffers_known_value_sizes_the_loop_as_in_eager(precision, optim
         assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
                                                                            measured.phase_peaks)
     assert not predicted.approximate
+
+
+class _StepControl(nn.Module):
+    """An adaptive solver's step control (zuko's CNF, torchdiffeq's dopri5): the error of each step read
+    back (`.item()`) sizes the next. Each unknown float reads 1.0 under fake tensors, so the estimate runs
+    its own number of steps (three here; eager's small error doubles the step: one). It must say that
+    the count is a guess."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(32, 32)
+
+    def forward(self, x):
+        t, dt = 0.0, 0.5
+        while t < 1.0:
+            new = x + dt * torch.tanh(self.f(x))
+            err = ((new - x).abs().max() * 1e-4).item()
+            dt = dt * min(2.0, max(0.5, 0.9 / err ** 0.2))
+            t, x = t + dt, new
+        return x.square().mean()
+
+
+def step_control(batch_size: int = 8):
+    return _StepControl(), (torch.randn(batch_size, 32),)
+
+
+def test_a_loop_steered_by_unknown_values_is_flagged_approximate():
+    predicted, measured = _compare(step_control)
+    assert predicted.peak_bytes != measured.measured_peak_bytes  # eager ran fewer trips than the guess
+    assert predicted.approximate
+    assert any("loop reading unknown values" in op for op in predicted.approximate_ops), predicted.approximate_ops
+
+
+class _CheckedLayers(nn.Module):
+    """A check once per layer (`assert torch.isfinite(x).all()`) reads one unknown value per module call:
+    a check, not a loop; the estimate stays exact and unflagged."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Checked() for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+class _Checked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        assert torch.isfinite(x).all()
+        return torch.relu(self.lin(x))
+
+
+def checked_layers(batch_size: int = 8):
+    return _CheckedLayers(), (torch.randn(batch_size, 32),)
+
+
+def test_a_check_per_layer_is_no_loop():
+    predicted, measured = _compare(checked_layers)
+    assert predicted.peak_bytes == measured.measured_peak_bytes
+    assert not predicted.approximate
+
+
+class _Forever(nn.Module):
+    """A loop until an error read back (`.item()`) is small, as zuko's CNF rejects and shrinks a step until
+    its error is below 1: every unknown float reads 1.0, so under fake tensors the loop never ended (the
+    estimate hung)."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(8, 8)
+
+    def forward(self, x):
+        z, err = x, 1.0
+        while err >= 1.0:
+            new = torch.tanh(self.f(z)) * 0.5
+            err = ((new - z).abs().max() * 1e-3).item()
+            z = new
+        return z.square().mean()
+
+
+def forever(batch_size: int = 4):
+    return _Forever(), (torch.randn(batch_size, 8),)
+
+
+def test_a_loop_that_never_ends_under_fake_tensors_is_refused():
+    workload = Workload("forever", forever, None, {})
+    with pytest.raises(BadInput, match="depend on the data"):
+        estimate(workload, StepConfig(precision="fp32", optimizer="sgd", steps=1), device="cpu")
+    assert math.isfinite(measure(workload, StepConfig(precision="fp32", optimizer="sgd", steps=1),
+                                 device="cpu").measured_peak_bytes)
