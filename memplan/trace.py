@@ -470,6 +470,7 @@ class _Recorder(TorchDispatchMode):
         # them: any() -> False (see _note_value_test)
         self.value_tests: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.extremes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # unknown min() and max(): their op
+        self.ranges: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # conjunctions of value tests (see _note_value_test)
         # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
@@ -759,8 +760,14 @@ class _Recorder(TorchDispatchMode):
             tested = packet in _TEST_COMBINATIONS and any(t in self.value_tests for t in inputs)
         if tested:
             extreme = self.extremes.get(inputs[0]) if inputs else None
-            self.value_tests[out] = out.numel() == 1 and (packet is torch.ops.aten.any
-                                                          or (extreme, packet) in _ANY_OF_EXTREMES)
+            if packet in _CONJUNCTIONS or (packet in _KEEPING_CONJUNCTIONS and inputs and inputs[0] in self.ranges):
+                self.ranges[out] = True
+            # any() over a range test (`(x >= -b) & (x <= b)`: nflows' splines, `if torch.any(inside):`
+            # before transforming the inside) typically finds values inside: it reads true (read false,
+            # the spline was skipped and the loss lost every parameter)
+            inside = packet is torch.ops.aten.any and bool(inputs) and inputs[0] in self.ranges
+            self.value_tests[out] = out.numel() == 1 and not inside and (packet is torch.ops.aten.any
+                                                                         or (extreme, packet) in _ANY_OF_EXTREMES)
 
     def _equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         """aten.equal: exact from known values. Over unknown ones, true where the shapes are equal (as
@@ -895,6 +902,11 @@ _VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
 _TEST_COMBINATIONS = {getattr(torch.ops.aten, name) for name in (
     "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
     "any", "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
+# A conjunction of value tests is a range (`(x >= a) & (x <= b)`), and views keep it one; a negation or a
+# disjunction of tests (`(w < a) | (w > b)`: out of range) is not
+_CONJUNCTIONS = {torch.ops.aten.logical_and, torch.ops.aten.bitwise_and}
+_KEEPING_CONJUNCTIONS = {getattr(torch.ops.aten, name) for name in (
+    "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
 # Reductions of a whole tensor to its extreme, and the tests of one that are tests of every element
 # (`x.min() < eps` is `(x < eps).any()`); the others (`x.min() > eps`, an all()) read true already
 _EXTREMES = {torch.ops.aten.min.default, torch.ops.aten.max.default}

@@ -10,7 +10,9 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan import trace
 from memplan.errors import BadInput
 from memplan.estimate import estimate
 from memplan.step import StepConfig
@@ -151,3 +153,45 @@ def test_a_loop_that_never_ends_under_fake_tensors_is_refused():
         estimate(workload, StepConfig(precision="fp32", optimizer="sgd", steps=1), device="cpu")
     assert math.isfinite(measure(workload, StepConfig(precision="fp32", optimizer="sgd", steps=1),
                                  device="cpu").measured_peak_bytes)
+
+
+class _SplineInside(nn.Module):
+    """nflows' rational-quadratic splines with linear tails: `inside = (x >= -b) & (x <= b)`, the outside
+    passed through, and `if torch.any(inside):` the inside transformed by the spline (the only use of the
+    parameters). A test of float values read back reads as a validity check (false) unless it is a range
+    test: read false here, the spline was skipped and the estimate refused the model ("the loss does not
+    depend on any trainable parameter"; nflows' MAF with spline transforms, every setting)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        inside = (x >= -100.0) & (x <= 100.0)
+        out = torch.zeros_like(x)
+        out[~inside] = x[~inside]
+        if torch.any(inside):
+            out[inside] = self.net(x)[inside]
+        return out.square().mean()
+
+
+def spline_inside(batch_size: int = 16):
+    return _SplineInside(), (torch.randn(batch_size, 4),)
+
+
+def test_any_over_a_range_test_reads_true():
+    predicted, measured = _compare(spline_inside)
+    assert predicted.phase_peaks["backward"] == measured.phase_peaks["backward"]
+    assert predicted.peak_bytes >= measured.measured_peak_bytes  # the outside: every element, a bound
+    assert predicted.approximate  # masks over unknown values
+
+
+def test_any_over_an_out_of_range_test_still_reads_false():
+    """trunc_normal_'s rejection loop (`mask = (w < a) | (w > b); if not mask.any(): break`) and a
+    negated range stay validity checks: read false, the loop ends at once."""
+    recorder = trace._Recorder(trace.TraceRules())
+    with FakeTensorMode(), recorder:
+        w = torch.empty(64).normal_()
+        assert not bool(((w < -2) | (w > 2)).any())
+        assert not bool((~((w >= -2) & (w <= 2))).any())
+        assert bool(((w >= -2) & (w <= 2)).any())
