@@ -618,6 +618,8 @@ class _Recorder(TorchDispatchMode):
             storage = part.untyped_storage()
             if storage not in self.ids and storage not in read_storages:
                 allocates.append(self.register(part, "temporaries", index))
+                if _wraps_foreign_memory(func, args):
+                    self.storages[allocates[-1]]["nbytes"] = 0
         allocates += [self._regrow(storage, index) for storage in written_storages
                       if storage in self.ids and storage.nbytes() > self.storages[self.ids[storage]]["nbytes"]]
         if by_sparse_table:
@@ -964,6 +966,19 @@ _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | Non
     torch.ops.aten.full_like.default:
         lambda args, kwargs, inputs: _overflowing(args[1], kwargs.get("dtype") or args[0].dtype),
 }
+
+
+def _wraps_foreign_memory(func: Any, args: tuple) -> bool:
+    """lift_fresh of a real tensor over memory the allocator did not give (a NumPy array's: `x[idx]`
+    with NumPy index arrays, `torch.as_tensor(array)`, which wrap the array's buffer, torch.from_numpy;
+    its storage cannot be resized): eager allocates nothing, where the fake copy has a storage of its
+    own (nflows' LULinear indexes by `np.tril_indices` at every forward: 320 B over). torch.tensor(data)
+    copies into the allocator's memory, which resizes, and counts as before."""
+    if func is not torch.ops.aten.lift_fresh.default or not args:
+        return False
+    source = args[0]
+    return isinstance(source, torch.Tensor) and not isinstance(source, FakeTensor) \
+        and source.layout is torch.strided and not source.untyped_storage().resizable()
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -195,3 +195,36 @@ def test_any_over_an_out_of_range_test_still_reads_false():
         assert not bool(((w < -2) | (w > 2)).any())
         assert not bool((~((w >= -2) & (w <= 2))).any())
         assert bool(((w >= -2) & (w <= 2)).any())
+
+
+class _NumpyIndexed(nn.Module):
+    """nflows' LULinear: a triangular matrix filled at every forward by NumPy index arrays
+    (`lower[np.tril_indices(...)] = entries`). Eager wraps each array's buffer (no allocation); the
+    tracer's fake copy of it counted as one (nflows' Glow-style flow: 320 B over in forward)."""
+
+    def __init__(self, n=24):
+        super().__init__()
+        import numpy as np
+
+        self.rows, self.cols = np.tril_indices(n, k=-1)
+        self.entries = nn.Parameter(torch.randn(len(self.rows)) * 0.1)
+        self.scale = np.linspace(0.5, 1.5, n)
+        self.n = n
+
+    def forward(self, x):
+        lower = self.entries.new_zeros(self.n, self.n)
+        lower[self.rows, self.cols] = self.entries
+        w = lower + torch.eye(self.n, dtype=x.dtype) * torch.as_tensor(self.scale, dtype=x.dtype)
+        return (x @ w).square().mean()
+
+
+def numpy_indexed(batch_size: int = 4):
+    return _NumpyIndexed(), (torch.randn(batch_size, 24),)
+
+
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("bf16", "sgd")])
+def test_tensors_over_numpy_memory_allocate_nothing(precision, optimizer):
+    predicted, measured = _compare(numpy_indexed, precision, optimizer)
+    for phase in PHASES:
+        assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
+                                                                           measured.phase_peaks)
