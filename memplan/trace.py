@@ -601,6 +601,11 @@ class _Recorder(TorchDispatchMode):
             raise NotImplementedError(f"{func} with sparse tensors is not modelled")
         if not (data_dependent or sparse or sparse_out):  # (the sparse table keeps what is known of its parts)
             self.known.run(func, args, kwargs, flat_out, written)
+        if func in _LINALG_INFOS and isinstance(flat_out[_LINALG_INFOS[func]], FakeTensor) \
+                and flat_out[_LINALG_INFOS[func]] not in self.known:
+            info = flat_out[_LINALG_INFOS[func]]
+            with _disable_current_modes():
+                self.known.keep([info], [torch.zeros(info.shape, dtype=info.dtype)])
         if func in _EXTREMES and isinstance(out, FakeTensor) and out.is_floating_point() and out not in self.known:
             self.extremes[out] = func
         if isinstance(out, FakeTensor) and out.dtype == torch.bool and out not in self.known:
@@ -897,6 +902,14 @@ def _bincount_output(x: torch.Tensor, weights: torch.Tensor | None = None, minle
     dtype = torch.long if weights is None else weights.dtype if weights.dtype == torch.float else torch.double
     return torch.empty((bins,), dtype=dtype, device=x.device)
 
+
+# The `info` output (its position) of the linear-algebra ops that report failure in a tensor rather than
+# raise: 0, success, as in any step that goes on (linear_operator's psd_safe_cholesky: `L, info =
+# cholesky_ex(A); if not torch.any(info): return L`, else it retries with jitter and raises NotPSDError;
+# read as 1, every GPyTorch model with an exact Cholesky failed to estimate)
+_LINALG_INFOS = {torch.ops.aten.linalg_cholesky_ex.default: 1, torch.ops.aten.linalg_inv_ex.default: 1,
+                 torch.ops.aten.linalg_lu_factor_ex.default: 2, torch.ops.aten.linalg_ldl_factor_ex.default: 2,
+                 torch.ops.aten._linalg_solve_ex.default: 3}
 
 # Ops that test values (a bool result), and ops that combine tests: see _Recorder._note_value_test
 _VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
