@@ -420,10 +420,11 @@ def _as_eager_views(func: Any, args: tuple, out: Any) -> Any:
     return torch.ops.aten.as_strided.default(out, out.shape, strides, out.storage_offset())
 
 
-# Values read back from unknown values in one traced step before the estimate gives up: a loop that
-# runs until a value says stop (an adaptive ODE solver: `while t < t1`, with `t` advanced by a step whose
-# size comes from an error estimate) never ends when every such value reads 1 or true
-UNKNOWN_READS_LIMIT = 4_096
+# Unknown values read back at one line of the program within one module call (a loop) before the
+# estimate gives up: a loop that runs until a value says stop (an adaptive ODE solver: `while t < t1`,
+# with `t` advanced by a step whose size comes from an error estimate; zuko's CNF rejecting every step
+# whose error reads 1.0) never ends when every such value reads 1 or true
+UNKNOWN_READS_LIMIT = 256
 
 
 # The same line of the program reading unknown values back this many times within one module call is a
@@ -805,9 +806,10 @@ class _Recorder(TorchDispatchMode):
         self.read_sites[key] += 1
         if self.read_sites[key] == LOOP_READS:  # a loop steered by the data: its trip count is a guess
             self.approximate.append(f"a loop reading unknown values back ({site})")
-        if self.unknown_reads > UNKNOWN_READS_LIMIT:
+        if self.read_sites[key] > UNKNOWN_READS_LIMIT:
             raise BadInput(
-                f"the training step read back more than {UNKNOWN_READS_LIMIT:,} values that depend on the data "
+                f"the training step read back more than {UNKNOWN_READS_LIMIT:,} values that depend on the data at "
+                f"one line ({site}) in one call "
                 "(each read as 1 or true under fake tensors): a loop whose end depends on the data, such as an "
                 "adaptive ODE solver's step control or an iterative solve to a tolerance, cannot be traced; "
                 "use a fixed number of steps (a fixed-step solver, a fixed iteration count)")
