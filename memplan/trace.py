@@ -466,6 +466,7 @@ class _Recorder(TorchDispatchMode):
         # how many were read at one line of the program within one module call (see LOOP_READS)
         self.read_sites: Counter[tuple[str, str, int]] = Counter()
         self.call_opened = [0]  # the module hook count when each open module call began (module_stack's)
+        self.phases_begun = 0  # (backward runs outside module calls: its reads count per phase begun)
         self.saved_numbers: defaultdict[int, list[Any]] = defaultdict(list)  # node's sequence number -> values
         # unknown bool tensors that test floating-point values (isnan, var < 0), and whole-tensor tests of
         # them: any() -> False (see _note_value_test)
@@ -552,6 +553,7 @@ class _Recorder(TorchDispatchMode):
 
     def begin_phase(self, phase: str, step: int) -> None:
         self.phase, self.step = phase, step
+        self.phases_begun += 1
         self.events.append(Event("phase", op=len(self.ops) - 1, phase=phase, step=step))
 
     # -- ops --------------------------------------------------------------------------------------
@@ -802,7 +804,7 @@ class _Recorder(TorchDispatchMode):
             return 0.0
         self.unknown_reads += 1
         site = _reading_site()
-        key = (site, self.module_stack[-1], self.call_opened[-1])
+        key = (site, self.module_stack[-1], self.call_opened[-1], self.phases_begun)
         self.read_sites[key] += 1
         if self.read_sites[key] == LOOP_READS:  # a loop steered by the data: its trip count is a guess
             self.approximate.append(f"a loop reading unknown values back ({site})")
