@@ -267,3 +267,43 @@ def test_a_linalg_info_reads_success():
                                                                            measured.phase_peaks)
     assert abs(predicted.phase_peaks["forward"] - measured.phase_peaks["forward"]) <= 64
     assert not predicted.approximate
+
+
+class _LoopingBackward(torch.autograd.Function):
+    """A backward that steps until an error read back is small (torchdiffeq's adjoint: its reverse solve
+    reads `max(rms_norm(...))` at every step), 150 trips each time."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        for _ in range(150):
+            if grad.abs().max() > 1e9:  # an unknown value read back in a loop
+                break
+            grad = grad * 1.0
+        return grad * 2
+
+
+class _AdjointLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _LoopingBackward.apply(self.lin(x)).square().mean()
+
+
+def adjoint_like(batch_size: int = 4):
+    return _AdjointLike(), (torch.randn(batch_size, 8),)
+
+
+def test_a_backward_loop_counts_per_backward_pass():
+    """With 2 micro-batches and 2 steps, four backward passes of 150 reads each, all outside any module
+    call: summed into one loop they passed the limit and the estimate was refused."""
+    workload = Workload("adjoint_like", adjoint_like, None, {})
+    config = StepConfig(precision="fp32", optimizer="sgd", grad_accum=2, steps=2)
+    predicted = estimate(workload, config, device="cpu")
+    assert predicted.approximate
+    assert predicted.peak_bytes == measure(workload, config, device="cpu").measured_peak_bytes
