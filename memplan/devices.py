@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
+from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for, suggest_memory_format
 
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
 from memplan.cpu_kernels import missing_cpu_kernel
@@ -206,6 +206,54 @@ OUTPUT_FIXES[("cpu", aten._log_softmax_backward_data.default)] = _grad_contiguou
 for _op, _index in ((aten.mse_loss.default, 2), (aten.smooth_l1_loss.default, 2), (aten.soft_margin_loss.default, 2),
                     (aten.binary_cross_entropy.default, 3)):
     OUTPUT_FIXES[("cpu", _op)] = _unreduced_loss_storage(_index)
+
+
+def _iterator_layout(*positions: int) -> OutputFix:
+    """The layout TensorIterator gives the output of a kernel over the operands at `positions`, in the
+    kernel's order (TensorIteratorBase::reorder_dimensions: the first operand whose strides order two
+    dimensions decides; torch._prims_common.compute_elementwise_output_strides mirrors it). The
+    activations' backward kernels (aten/src/ATen/native/Activation.cpp and its structured metas:
+    elu_backward, hardtanh_backward, softplus_backward, ...) iterate over (grad_output, input): the
+    gradient's layout leads. Fake mode runs their decompositions, whose first pointwise op reads the
+    input first, and gave a permuted gradient the input's layout (zuko's UNAF in bf16: the ELU's
+    gradient, transposed in eager, reached the next bmm contiguous, and oneDNN's scratch parted: 32,896
+    B short in backward)."""
+
+    def fix(args: tuple, kwargs: dict, out: Any) -> Any:
+        operands = [args[p] if p < len(args) else None for p in positions]
+        if not isinstance(out, torch.Tensor) or out.numel() == 0 \
+                or any(not isinstance(o, torch.Tensor) or o.shape != out.shape for o in operands):
+            return out
+        strides = tuple(compute_elementwise_output_strides(*operands))
+        if strides == tuple(out.stride()):
+            return out
+        return out.new_empty_strided(out.shape, strides)
+
+    return fix
+
+
+for _op, _input in ((aten.elu_backward.default, 5), (aten.hardswish_backward.default, 1),
+                    (aten.hardsigmoid_backward.default, 1), (aten.hardtanh_backward.default, 1),
+                    (aten.softplus_backward.default, 1), (aten.logit_backward.default, 1)):
+    for _device in ("cpu", "cuda"):
+        OUTPUT_FIXES[(_device, _op)] = _iterator_layout(0, _input)
+# leaky_relu_backward's meta builds its iterator over (self, grad_output); threshold_backward is
+# threshold_out(grad_input, self, threshold, 0, grad): the input's layout leads
+for _op in (aten.leaky_relu_backward.default, aten.threshold_backward.default):
+    for _device in ("cpu", "cuda"):
+        OUTPUT_FIXES[(_device, _op)] = _iterator_layout(1, 0)
+
+
+def _contiguous_loss_grad(args: tuple, kwargs: dict, out: Any) -> Any:
+    """aten/src/ATen/native/Loss.cpp mse_loss_backward, smooth_l1_loss_backward and huber_loss_backward
+    allocate the input's gradient `zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)`: row-major
+    whatever the operands' layouts; the fake kernels (decompositions) follow a permuted input."""
+    return out if not isinstance(out, torch.Tensor) or out.is_contiguous() else out.new_empty(out.shape)
+
+
+for _op in (aten.mse_loss_backward.default, aten.smooth_l1_loss_backward.default, aten.huber_loss_backward.default):
+    for _device in ("cpu", "cuda"):
+        OUTPUT_FIXES[(_device, _op)] = _contiguous_loss_grad
 
 
 def _weight_norm_norms_fp32(args: tuple, kwargs: dict, out: Any) -> Any:

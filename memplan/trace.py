@@ -42,6 +42,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan.errors import BadInput
 from memplan.scratch import as_saved_number
 from memplan.step import PreparedStep, StepConfig, memory_parts, model_caches_emptied_after, prepare_step, run_steps
 from memplan.workload import Workload
@@ -419,6 +420,31 @@ def _as_eager_views(func: Any, args: tuple, out: Any) -> Any:
     return torch.ops.aten.as_strided.default(out, out.shape, strides, out.storage_offset())
 
 
+# Unknown values read back at one line of the program within one module call (a loop) before the
+# estimate gives up: a loop that runs until a value says stop (an adaptive ODE solver: `while t < t1`,
+# with `t` advanced by a step whose size comes from an error estimate; zuko's CNF rejecting every step
+# whose error reads 1.0) never ends when every such value reads 1 or true
+UNKNOWN_READS_LIMIT = 256
+
+
+# The same line of the program reading unknown values back this many times within one module call is a
+# loop steered by them (torchdiffeq's dopri5: `while next_t > t1` and `if accept_step` at every step; a
+# check once per layer reads once per call): the number of its trips, and what they allocate, is a
+# guess, and the estimate says so (approximate)
+LOOP_READS = 3
+
+
+def _reading_site() -> str:
+    """The innermost frame outside torch and memplan: where the program read a value back."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/torch/" not in name and "/memplan/" not in name and "/contextlib" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
 class _Recorder(TorchDispatchMode):
     """Sees every aten op above the fake mode; records storages and their lifetimes."""
 
@@ -436,11 +462,17 @@ class _Recorder(TorchDispatchMode):
         self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
         self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
+        self.unknown_reads = 0  # values read back that no one knows (see _scalar)
+        # how many were read at one line of the program within one module call (see LOOP_READS)
+        self.read_sites: Counter[tuple[str, str, int]] = Counter()
+        self.call_opened = [0]  # the module hook count when each open module call began (module_stack's)
+        self.phases_begun = 0  # (backward runs outside module calls: its reads count per phase begun)
         self.saved_numbers: defaultdict[int, list[Any]] = defaultdict(list)  # node's sequence number -> values
         # unknown bool tensors that test floating-point values (isnan, var < 0), and whole-tensor tests of
         # them: any() -> False (see _note_value_test)
         self.value_tests: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.extremes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # unknown min() and max(): their op
+        self.ranges: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # conjunctions of value tests (see _note_value_test)
         # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
@@ -523,6 +555,7 @@ class _Recorder(TorchDispatchMode):
 
     def begin_phase(self, phase: str, step: int) -> None:
         self.phase, self.step = phase, step
+        self.phases_begun += 1
         self.events.append(Event("phase", op=len(self.ops) - 1, phase=phase, step=step))
 
     # -- ops --------------------------------------------------------------------------------------
@@ -575,6 +608,11 @@ class _Recorder(TorchDispatchMode):
             raise NotImplementedError(f"{func} with sparse tensors is not modelled")
         if not (data_dependent or sparse or sparse_out):  # (the sparse table keeps what is known of its parts)
             self.known.run(func, args, kwargs, flat_out, written)
+        if func in _LINALG_INFOS and isinstance(flat_out[_LINALG_INFOS[func]], FakeTensor) \
+                and flat_out[_LINALG_INFOS[func]] not in self.known:
+            info = flat_out[_LINALG_INFOS[func]]
+            with _disable_current_modes():
+                self.known.keep([info], [torch.zeros(info.shape, dtype=info.dtype)])
         if func in _EXTREMES and isinstance(out, FakeTensor) and out.is_floating_point() and out not in self.known:
             self.extremes[out] = func
         if isinstance(out, FakeTensor) and out.dtype == torch.bool and out not in self.known:
@@ -592,6 +630,8 @@ class _Recorder(TorchDispatchMode):
             storage = part.untyped_storage()
             if storage not in self.ids and storage not in read_storages:
                 allocates.append(self.register(part, "temporaries", index))
+                if _wraps_foreign_memory(func, args):
+                    self.storages[allocates[-1]]["nbytes"] = 0
         allocates += [self._regrow(storage, index) for storage in written_storages
                       if storage in self.ids and storage.nbytes() > self.storages[self.ids[storage]]["nbytes"]]
         if by_sparse_table:
@@ -734,8 +774,14 @@ class _Recorder(TorchDispatchMode):
             tested = packet in _TEST_COMBINATIONS and any(t in self.value_tests for t in inputs)
         if tested:
             extreme = self.extremes.get(inputs[0]) if inputs else None
-            self.value_tests[out] = out.numel() == 1 and (packet is torch.ops.aten.any
-                                                          or (extreme, packet) in _ANY_OF_EXTREMES)
+            if packet in _CONJUNCTIONS or (packet in _KEEPING_CONJUNCTIONS and inputs and inputs[0] in self.ranges):
+                self.ranges[out] = True
+            # any() over a range test (`(x >= -b) & (x <= b)`: nflows' splines, `if torch.any(inside):`
+            # before transforming the inside) typically finds values inside: it reads true (read false,
+            # the spline was skipped and the loss lost every parameter)
+            inside = packet is torch.ops.aten.any and bool(inputs) and inputs[0] in self.ranges
+            self.value_tests[out] = out.numel() == 1 and not inside and (packet is torch.ops.aten.any
+                                                                         or (extreme, packet) in _ANY_OF_EXTREMES)
 
     def _equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         """aten.equal: exact from known values. Over unknown ones, true where the shapes are equal (as
@@ -763,6 +809,19 @@ class _Recorder(TorchDispatchMode):
             return element
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
+        self.unknown_reads += 1
+        site = _reading_site()
+        key = (site, self.module_stack[-1], self.call_opened[-1], self.phases_begun)
+        self.read_sites[key] += 1
+        if self.read_sites[key] == LOOP_READS:  # a loop steered by the data: its trip count is a guess
+            self.approximate.append(f"a loop reading unknown values back ({site})")
+        if self.read_sites[key] > UNKNOWN_READS_LIMIT:
+            raise BadInput(
+                f"the training step read back more than {UNKNOWN_READS_LIMIT:,} values that depend on the data at "
+                f"one line ({site}) in one call "
+                "(each read as 1 or true under fake tensors): a loop whose end depends on the data, such as an "
+                "adaptive ODE solver's step control or an iterative solve to a tolerance, cannot be traced; "
+                "use a fixed number of steps (a fixed-step solver, a fixed iteration count)")
         if self.value_tests.get(tensor):
             return False
         if tensor.dtype == torch.bool:
@@ -855,12 +914,25 @@ def _bincount_output(x: torch.Tensor, weights: torch.Tensor | None = None, minle
     return torch.empty((bins,), dtype=dtype, device=x.device)
 
 
+# The `info` output (its position) of the linear-algebra ops that report failure in a tensor rather than
+# raise: 0, success, as in any step that goes on (linear_operator's psd_safe_cholesky: `L, info =
+# cholesky_ex(A); if not torch.any(info): return L`, else it retries with jitter and raises NotPSDError;
+# read as 1, every GPyTorch model with an exact Cholesky failed to estimate)
+_LINALG_INFOS = {torch.ops.aten.linalg_cholesky_ex.default: 1, torch.ops.aten.linalg_inv_ex.default: 1,
+                 torch.ops.aten.linalg_lu_factor_ex.default: 2, torch.ops.aten.linalg_ldl_factor_ex.default: 2,
+                 torch.ops.aten._linalg_solve_ex.default: 3}
+
 # Ops that test values (a bool result), and ops that combine tests: see _Recorder._note_value_test
 _VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
     "isnan", "isinf", "isposinf", "isneginf", "isfinite", "signbit", "eq", "ne", "lt", "le", "gt", "ge")}
 _TEST_COMBINATIONS = {getattr(torch.ops.aten, name) for name in (
     "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
     "any", "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
+# A conjunction of value tests is a range (`(x >= a) & (x <= b)`), and views keep it one; a negation or a
+# disjunction of tests (`(w < a) | (w > b)`: out of range) is not
+_CONJUNCTIONS = {torch.ops.aten.logical_and, torch.ops.aten.bitwise_and}
+_KEEPING_CONJUNCTIONS = {getattr(torch.ops.aten, name) for name in (
+    "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
 # Reductions of a whole tensor to its extreme, and the tests of one that are tests of every element
 # (`x.min() < eps` is `(x < eps).any()`); the others (`x.min() > eps`, an all()) read true already
 _EXTREMES = {torch.ops.aten.min.default, torch.ops.aten.max.default}
@@ -945,6 +1017,19 @@ _EAGER_REFUSALS: dict[Any, Callable[[tuple, dict, list[torch.Tensor]], str | Non
     torch.ops.aten.full_like.default:
         lambda args, kwargs, inputs: _overflowing(args[1], kwargs.get("dtype") or args[0].dtype),
 }
+
+
+def _wraps_foreign_memory(func: Any, args: tuple) -> bool:
+    """lift_fresh of a real tensor over memory the allocator did not give (a NumPy array's: `x[idx]`
+    with NumPy index arrays, `torch.as_tensor(array)`, which wrap the array's buffer, torch.from_numpy;
+    its storage cannot be resized): eager allocates nothing, where the fake copy has a storage of its
+    own (nflows' LULinear indexes by `np.tril_indices` at every forward: 320 B over). torch.tensor(data)
+    copies into the allocator's memory, which resizes, and counts as before."""
+    if func is not torch.ops.aten.lift_fresh.default or not args:
+        return False
+    source = args[0]
+    return isinstance(source, torch.Tensor) and not isinstance(source, FakeTensor) \
+        and source.layout is torch.strided and not source.untyped_storage().resizable()
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -1044,13 +1129,16 @@ def _module_scopes(recorder: _Recorder, model: nn.Module, calls: list[ModuleCall
         path = paths.get(id(module))
         if path is not None:
             recorder.module_stack.append(path)
-            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), hook_run(), identities(module),
+            opened = hook_run()
+            recorder.call_opened.append(opened)
+            open_calls.append((path, len(recorder.ops), tensor_ids((args, kwargs)), opened, identities(module),
                                (_host_generator_states(), len(seedings))))
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
         path = paths.get(id(module))
         if path is not None and open_calls and open_calls[-1][0] == path:
             recorder.module_stack.pop()
+            recorder.call_opened.pop()
             _, first, inputs, opened, attributes, generators = open_calls.pop()
             # global pre-hooks get no keyword arguments: the tensors passed by keyword (an attention
             # mask, encoder states) are added here, after the positional ones
@@ -1907,6 +1995,92 @@ class _RealValues:
             self.keep(flat_out, tree_flatten(real_out)[0], typical)
 
 
+class _Lineage:
+    """How the factory's fake tensors whose values `_RealValues` does not keep (over its size limit, or
+    drawn at random in floating point) were made: each out-of-place op, its operands and, for a draw,
+    its generator's state before it. A value read back while building (`.item()`) is computed for real
+    from them, on demand (e3nn's `normalize2mom`: `moment(f, 2)` over a million float64 samples drawn
+    from a generator of its own, `.pow(-0.5).item()`: a constant a real build computes alike). Operands
+    written in place after an op read them (or after they were made) have no lineage to replay: their
+    values stay unknown, as before. Values made uninitialized (`torch.empty`) have none either."""
+
+    LIMIT = 1 << 26  # elements computed for one read, all ops together
+    _UNINITIALIZED = frozenset(getattr(torch.ops.aten, n) for n in (
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"))
+
+    def __init__(self) -> None:
+        # fake output -> (op, args, kwargs, which output, generator states, the operands' and output's versions)
+        self.made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    @staticmethod
+    def states(func: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Generator, torch.Tensor]] | None:
+        """A draw's generators and their states before it (None: not a draw)."""
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return None
+        generators = [g for g in tree_flatten((args, kwargs))[0] if isinstance(g, torch.Generator)]
+        with _disable_current_modes():
+            return [(g, g.get_state()) for g in generators or [torch.default_generator]]
+
+    def record(self, func: Any, args: tuple, kwargs: dict, flat_out: list[Any], states: Any, values: _RealValues) -> None:
+        if func._overloadpacket in self._UNINITIALIZED or not flat_out:
+            return
+        operands = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, FakeTensor) and t not in values and t not in self.made for t in operands) \
+                or any(t.layout is not torch.strided for t in operands):
+            return
+        versions = tuple(t._version for t in operands)
+        for index, out in enumerate(flat_out):
+            if isinstance(out, FakeTensor) and out not in values and out.layout is torch.strided:
+                self.made[out] = (func, args, kwargs, index, states, versions, out._version)
+
+    def realize(self, tensor: Any, values: _RealValues) -> torch.Tensor | None:
+        """The real value of a fake tensor made by the factory, or None where it cannot be known."""
+        budget = [self.LIMIT]
+        memo: dict[int, torch.Tensor | None] = {}
+        try:
+            with _disable_current_modes():
+                return self._realize(tensor, values, memo, budget)
+        except (RecursionError, RuntimeError, ValueError, TypeError, IndexError):
+            return None
+
+    def _realize(self, tensor: Any, values: _RealValues, memo: dict, budget: list[int]) -> torch.Tensor | None:
+        if not isinstance(tensor, FakeTensor):
+            return tensor
+        if tensor in values:
+            return values.real[tensor]
+        if id(tensor) in memo:
+            return memo[id(tensor)]
+        memo[id(tensor)] = None
+        entry = self.made.get(tensor)
+        if entry is None:
+            return None
+        func, args, kwargs, index, states, versions, version = entry
+        flat, spec = tree_flatten((args, kwargs))
+        operands = [t for t in flat if isinstance(t, torch.Tensor)]
+        if tensor._version != version or tuple(t._version for t in operands) != versions:
+            return None  # written in place since: the recorded ops no longer make its value
+        budget[0] -= sum(t.numel() for t in operands) + tensor.numel()
+        if budget[0] < 0:
+            return None
+        reals = []
+        for value in flat:
+            real = self._realize(value, values, memo, budget) if isinstance(value, torch.Tensor) else value
+            if real is None and value is not None:
+                return None
+            reals.append(real)
+        real_args, real_kwargs = tree_unflatten(reals, spec)
+        with contextlib.ExitStack() as stack:
+            for generator, state in states or ():
+                now = generator.get_state()
+                stack.callback(generator.set_state, now)
+                generator.set_state(state)
+            out = tree_flatten(func(*real_args, **real_kwargs))[0][index]
+        if not isinstance(out, torch.Tensor) or out.shape != tensor.shape or out.dtype != tensor.dtype:
+            return None
+        memo[id(tensor)] = out
+        return out
+
+
 class _ConstantShadows(TorchDispatchMode):
     """While the factory builds the model under fake tensors, small tensors computed from constants
     alone (`torch.linspace(0, drop_path_rate, depth).tolist()`, `int(torch.tensor(sizes).prod())`)
@@ -1924,9 +2098,11 @@ class _ConstantShadows(TorchDispatchMode):
         self.guessed: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # predicate -> its typical value
         self.approximate: list[str] = []
         self.sparse = _SparseTensors(self.values, self.approximate)  # a sparse input (a graph's adjacency)
+        self.lineage = _Lineage()  # how the tensors whose values are not kept were made
 
     def __exit__(self, *exc: object) -> None:
         self.values.put_generators_back()
+        self.lineage = _Lineage()
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -1935,6 +2111,12 @@ class _ConstantShadows(TorchDispatchMode):
             return self.values.item(args[0])
         if func is torch.ops.aten._local_scalar_dense.default and args[0] in self.guessed:
             return self.guessed[args[0]]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            real = self.lineage.realize(args[0], self.values)
+            if real is not None:  # a constant made by sampling (e3nn's normalize2mom): as the ops that made it say
+                with _disable_current_modes():
+                    return real.item()
+        states = self.lineage.states(func, args, kwargs)
         if func in (torch.ops.aten.allclose.default, torch.ops.aten.equal.default):
             # a check of values made at random (parametrizations.orthogonal's right_inverse): it passes
             real = self.values.compute(func, args, kwargs, [])
@@ -1953,7 +2135,10 @@ class _ConstantShadows(TorchDispatchMode):
         flat_out = tree_flatten(out)[0]
         if sparse or any(isinstance(t, torch.Tensor) and t.layout is not torch.strided for t in flat_out):
             return out  # no values kept for sparse tensors outside the sparse table (a CSR input)
-        self.values.run(func, args, kwargs, flat_out, _written_arguments(func, args, kwargs))
+        written = _written_arguments(func, args, kwargs)
+        self.values.run(func, args, kwargs, flat_out, written)
+        if not written:
+            self.lineage.record(func, args, kwargs, flat_out, states, self.values)
         if func in _TYPICAL_PREDICATES and isinstance(out, FakeTensor) and out not in self.values:
             self.guessed[out] = _TYPICAL_PREDICATES[func]
         return out
@@ -2297,6 +2482,10 @@ def _fake_parameters_swap(*tables: Any) -> Iterator[None]:
             for tensor, value in ((t1, v2), (t2, v1)):
                 if value is not _ABSENT:
                     table[tensor] = value
+            if v2 is _ABSENT and isinstance(v1, torch.Tensor) and v1.shape == t1.shape and v1.dtype != t1.dtype \
+                    and v1.is_floating_point() and t1.is_floating_point():
+                with _disable_current_modes():  # a known value converted (`model.to(torch.bfloat16)`): as eager's cast
+                    table[t1] = v1.to(t1.dtype)
 
     torch.utils.swap_tensors = swap_tensors
     try:
@@ -2339,19 +2528,29 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
+        built_buffers = dict(model.named_buffers())  # before the precision converts them
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
         recorder.sparse.parts.update(shadows.sparse.parts)
         _register_baseline(recorder, prepared)
         parameters = frozenset(recorder.ids[p.untyped_storage()] for p in prepared.model.parameters())
-        # the inputs' known values, and those of the integer buffers the model made from constants
-        # (EnCodec's padded convolutions keep their stride and kernel size as int64 buffers and pad by
-        # `(length - kernel_size + padding_total) / stride`): a real step reads their values
-        buffers = [b for b in prepared.model.buffers() if not b.is_floating_point() and not b.is_complex()]
+        # the inputs' known values, and those of the buffers the model made from constants (EnCodec's
+        # padded convolutions keep their stride and kernel size as int64 buffers and pad by
+        # `(length - kernel_size + padding_total) / stride`; a neural ODE's time points, a float
+        # `linspace` from which torchdiffeq's fixed-step solvers size their grid with `.item()`): a real
+        # step reads their values
+        buffers = list(prepared.model.buffers())
         recorder.approximate.extend(shadows.approximate)
         for value in (part for t in [*_input_tensors(prepared), *buffers] for part in recorder.sparse.strided(t)):
             if value in shadows.values and recorder.known.keeps(value):
                 recorder.known.keep([value], [shadows.values.real[value]])
+        for name, buffer in prepared.model.named_buffers():  # a known buffer the precision converted: cast as eager's
+            built = built_buffers.get(name)
+            if buffer not in shadows.values and built is not None and built in shadows.values \
+                    and built.shape == buffer.shape and recorder.known.keeps(buffer) and buffer.layout is torch.strided:
+                with _disable_current_modes():
+                    recorder.known.keep([buffer], [shadows.values.real[built].to(buffer.dtype)])
+        del built_buffers
         del shadows
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}
 
