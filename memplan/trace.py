@@ -434,11 +434,15 @@ UNKNOWN_READS_LIMIT = 256
 LOOP_READS = 3
 
 
-def _reading_site() -> str:
-    """The innermost frame outside torch and memplan: where the program read a value back."""
+def _reading_site() -> str | None:
+    """The innermost frame outside torch and memplan: where the program read a value back. None where
+    the step contract itself led to the read (memplan/step.py: the optimizer's step counters, the
+    gradient scaler), which no data steers."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
+        if name.endswith("/memplan/step.py"):
+            return None
         if "/torch/" not in name and "/memplan/" not in name and "/contextlib" not in name:
             return f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
         frame = frame.f_back
@@ -462,7 +466,6 @@ class _Recorder(TorchDispatchMode):
         self.conversions = WeakTensorKeyDictionary()  # see _alias_conversions
         self.approximate: list[str] = []
         self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
-        self.unknown_reads = 0  # values read back that no one knows (see _scalar)
         # how many were read at one line of the program within one module call (see LOOP_READS)
         self.read_sites: Counter[tuple[str, str, int]] = Counter()
         self.call_opened = [0]  # the module hook count when each open module call began (module_stack's)
@@ -809,10 +812,9 @@ class _Recorder(TorchDispatchMode):
             return element
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
-        self.unknown_reads += 1
         site = _reading_site()
         key = (site, self.module_stack[-1], self.call_opened[-1], self.phases_begun)
-        self.read_sites[key] += 1
+        self.read_sites[key] += site is not None
         if self.read_sites[key] == LOOP_READS:  # a loop steered by the data: its trip count is a guess
             self.approximate.append(f"a loop reading unknown values back ({site})")
         if self.read_sites[key] > UNKNOWN_READS_LIMIT:
