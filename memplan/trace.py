@@ -467,7 +467,7 @@ class _Recorder(TorchDispatchMode):
         self.approximate: list[str] = []
         self.unknown_integers = 0  # integers read back from unknown values (each read as 1)
         # how many were read at one line of the program within one module call (see LOOP_READS)
-        self.read_sites: Counter[tuple[str, str, int]] = Counter()
+        self.read_sites: Counter[tuple[str, str, int, int]] = Counter()  # (site, module, call, phase) -> reads
         self.call_opened = [0]  # the module hook count when each open module call began (module_stack's)
         self.phases_begun = 0  # (backward runs outside module calls: its reads count per phase begun)
         self.saved_numbers: defaultdict[int, list[Any]] = defaultdict(list)  # node's sequence number -> values
@@ -813,8 +813,22 @@ class _Recorder(TorchDispatchMode):
         if tensor.untyped_storage() in self.found_inf:
             return 0.0
         site = _reading_site()
+        if site is not None:
+            self._count_read(site)
+        if self.value_tests.get(tensor):
+            return False
+        if tensor.dtype == torch.bool:
+            return True
+        if tensor.is_floating_point():
+            return 1.0
+        self.unknown_integers += 1
+        return 1
+
+    def _count_read(self, site: str) -> None:
+        """One unknown value read back at `site`: the third at one line in one module call (and phase)
+        flags a loop steered by the data (LOOP_READS); past UNKNOWN_READS_LIMIT the estimate gives up."""
         key = (site, self.module_stack[-1], self.call_opened[-1], self.phases_begun)
-        self.read_sites[key] += site is not None
+        self.read_sites[key] += 1
         if self.read_sites[key] == LOOP_READS:  # a loop steered by the data: its trip count is a guess
             self.approximate.append(f"a loop reading unknown values back ({site})")
         if self.read_sites[key] > UNKNOWN_READS_LIMIT:
@@ -824,14 +838,6 @@ class _Recorder(TorchDispatchMode):
                 "(each read as 1 or true under fake tensors): a loop whose end depends on the data, such as an "
                 "adaptive ODE solver's step control or an iterative solve to a tolerance, cannot be traced; "
                 "use a fixed number of steps (a fixed-step solver, a fixed iteration count)")
-        if self.value_tests.get(tensor):
-            return False
-        if tensor.dtype == torch.bool:
-            return True
-        if tensor.is_floating_point():
-            return 1.0
-        self.unknown_integers += 1
-        return 1
 
     def _masks_as_indices(self, func: Any, args: tuple) -> tuple[tuple, int]:
         """_masks_as_indices's arguments, with each mask's indices exact where its values are known, else

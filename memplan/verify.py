@@ -59,7 +59,7 @@ from memplan.workload import Workload, same_model
 SEED = 0
 SNAPSHOT_MAX_ENTRIES = 100_000
 _MARK = "memplan::phase::"  # profiler marker name prefix: memplan::phase::<phase>::<step>
-_FREED = "freed"  # marker phase: a storage of the state was freed (its data pointer in place of the step)
+_FREED = "freed"  # marker phase: a storage of the state was freed (the marker's number: its data pointer)
 _STEPS = "steps"  # marker phase: the steps begin (before it, the model is built)
 _CPU_MEMORY_DEVICES = ("CPU", "MKLDNN", "IDEEP")  # as torch.autograd.profiler counts CPU memory
 _CPU_OOM = re.compile(r"can't allocate memory|cannot allocate memory|not enough memory|out of memory", re.IGNORECASE)
@@ -533,7 +533,7 @@ def _measure_cpu(workload: Workload, config: StepConfig, plan: Plan | None, fore
         profiler.__enter__()
     try:
         prepared = _prepare(workload, config, "cpu", plan, foreach)
-    except (RuntimeError, MemoryError) as error:
+    except BaseException as error:  # any failure to build stops the profiler; running out of memory is a result
         with quiet_stderr():
             profiler.__exit__(None, None, None)
         if not _is_cpu_oom(error):

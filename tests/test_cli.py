@@ -79,6 +79,18 @@ def test_bad_options_exit_1_with_one_line():
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(("target", "precision", "message"), [
+    ("tests/test_values_read_back.py:forever", "fp32", "values that depend on the data at one line"),
+    ("tests/test_unseen_models.py:quantization_aware_training", "amp-bf16", "expected scalar type Float"),
+])
+def test_steps_the_estimate_refuses_exit_1_with_one_line(target, precision, message):
+    """A loop that no fake value can end, and a step eager refuses (quantization-aware training's
+    observers in bf16): one line on stderr, exit 1."""
+    result = runner.invoke(app, ["estimate", target, "-p", precision, "-o", "sgd", "--device", "cpu"])
+    assert result.exit_code == 1, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 # --------------------------------------------------------------------------------------------------
 # Issue 7: the same columns everywhere, --json on every command, --gpu, --plot, exit codes
 

@@ -637,3 +637,17 @@ def test_a_buffer_replaced_or_resized_in_forward_frees_its_storage_from_before_t
     # and while updating, the old and the new buffer are both live
     if update == "replace":
         assert updated.phase_peaks["forward"] >= updated.baseline_bytes + 1024 * 256 * 4
+
+
+def _broken(batch_size: int = 2):
+    raise ValueError("the factory broke")
+
+
+def test_a_factory_that_fails_leaves_no_profiler_running():
+    """The CPU profiler starts before the model is built: a build that fails stops it again, so the
+    error is the factory's and the next measurement runs."""
+    config = StepConfig(precision="fp32", optimizer="sgd", steps=1)
+    with pytest.raises(BadInput, match="the factory broke"):
+        measure(Workload("broken", _broken, 2, {}), config, device="cpu")
+    assert not torch._C._autograd._profiler_enabled()
+    assert measure(Workload("in place", _running_statistic("in place", False), 2, {}), config, device="cpu").phase_peaks["forward"] > 0
