@@ -49,7 +49,7 @@ from torch.library import Library
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["AUTOCAST_LISTS", "EmulatedAutocast", "OpLists", "emulated_autocast"]
+__all__ = ["AUTOCAST_LISTS", "EmulatedAutocast", "OpLists", "autocast_policy", "cast_arguments", "emulated_autocast", "without_autocast"]
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ def _cached_cast(to: torch.dtype, t: torch.Tensor) -> torch.Tensor:
     return cast
 
 
-def _cast_all(to: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def cast_arguments(to: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Cast every eligible Tensor, Tensor? and Tensor[] argument; C++ evaluates the casts of one call
     right to left (the order of the `_to_copy` ops), and a Tensor[] front to back."""
 
@@ -308,7 +308,7 @@ def _make_kernel(op: torch._ops.OpOverload, policy: str, lists: OpLists, redispa
                     to = torch.float32
                 else:
                     to = _promote_type(args, kwargs)
-                args, kwargs = _cast_all(to, args, kwargs)
+                args, kwargs = cast_arguments(to, args, kwargs)
                 return op(*args, **kwargs)
 
         return cast_policy
@@ -575,3 +575,17 @@ def emulated_autocast(lists: str) -> EmulatedAutocast:
     """A replacement for torch.autocast, `(device_type, dtype) -> context manager`, that applies the
     autocast op lists of `lists` ("cuda" or "cpu") to CPU tensors, fake or real."""
     return EmulatedAutocast(lists)
+
+
+def autocast_policy(name: str) -> str | None:
+    """The policy CPU autocast applies to the op `name` ("op" or "op.overload") here and now: under the
+    effective lists (an emulated region's, or the CPU's own) while CPU autocast is on; None when it is
+    off or the lists do not name the op."""
+    if not torch.is_autocast_enabled("cpu"):
+        return None
+    return AUTOCAST_LISTS[_effective_lists()].policies().get(name)
+
+
+def without_autocast() -> torch._C._ExcludeDispatchKeyGuard:
+    """A region that autocast's kernels do not see, as the ops an autocast kernel redispatches to."""
+    return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)

@@ -278,9 +278,12 @@ for _op in (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.soft_margin
     scratch_rule("cpu", _op)(_probe(_op))
 
 # F.unfold / F.fold (im2col, col2im: aten/src/ATen/native/Im2Col.cpp, Col2Im.cpp copy their input to a
-# contiguous or resized buffer first), F.affine_grid's base grid, and nn.Bilinear's _trilinear
-# (Linear.cpp: sum-products through permuted, expanded copies of its operands): measured.
-for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator.default, aten._trilinear.default):
+# contiguous or resized buffer first), F.affine_grid's base grid, nn.Bilinear's _trilinear
+# (Linear.cpp: sum-products through permuted, expanded copies of its operands) and torch.cdist's
+# matrix-product path for p=2 (Distance.cpp _euclidean_dist: squared norms, two padded copies of the
+# operands through `cat`, their product): measured.
+for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator.default, aten._trilinear.default,
+            aten._euclidean_dist.default):
     scratch_rule("cpu", _op)(_probe(_op))
 
 # torch.linalg.lstsq (BatchLinearAlgebra.cpp linalg_lstsq_out_info): a column-major copy of A and LAPACK's
@@ -1252,6 +1255,11 @@ def _binary_cross_entropy_with_logits(args: tuple, kwargs: dict, out: Any) -> in
     self, target = args[0], args[1]
     pos_weight = _argument(args, kwargs, 3, "pos_weight", None)
     reduction = _argument(args, kwargs, 4, "reduction", 1)  # at::Reduction::Mean
+    weight = _argument(args, kwargs, 2, "weight", None)
+    if any(t is not None and t.dtype != self.dtype for t in (target, weight, pos_weight)):
+        # mixed dtypes (a float32 weight made in forward beside bf16 logits): each in-place product with
+        # promotion computes in copies of its own: measured
+        return probe_scratch(aten.binary_cross_entropy_with_logits.default, args, kwargs)
     size = _itemsize(self.dtype)
     wrapped = 8 + (0 if self.dtype == torch.float64 else size)
     log_sigmoid = self.numel() * size

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memplan.eager_backward import EAGER_BACKWARDS
 from memplan.errors import BadInput
 from memplan.scratch import as_saved_number
 from memplan.step import PreparedStep, StepConfig, memory_parts, model_caches_emptied_after, prepare_step, run_steps
@@ -1450,9 +1451,22 @@ def _element_dtype(element: Any) -> torch.dtype:
     return torch.tensor(element).dtype  # a Python number: bool, int64, the default float or complex dtype
 
 
+def _unless_functorch_wrapped(rewrite: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """`rewrite`, except over functorch's wrapped tensors (vmap, grad), subclass-like in eager too."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        wrapped = any(isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t)
+                      for t in tree_flatten((args, kwargs))[0])
+        return (original if wrapped else rewrite)(*args, **kwargs)
+
+    return call
+
+
 _REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence,
                         torch.allclose: _allclose, torch.Tensor.allclose: _allclose,
-                        torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss, torch.tensor: _tensor_of_elements}
+                        torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss, torch.tensor: _tensor_of_elements,
+                        # backward formulas with a path for plain tensors (memplan/eager_backward.py)
+                        **{f: _unless_functorch_wrapped(rewrite, f) for f, rewrite in EAGER_BACKWARDS.items()}}
 # while the factory builds: only what reads values back (the other rewrites are the step's kernels)
 _FACTORY_REWRITES = {torch.tensor: _tensor_of_elements}
 

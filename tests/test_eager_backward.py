@@ -1,0 +1,91 @@
+"""Backward formulas that take another path under tracing than in eager (memplan/eager_backward.py):
+cumprod and prod divide by the input in eager and take a zero-safe product under a dispatch mode, and
+binary cross-entropy with logits writes its gradient in place in eager, out of place under one. Also
+the scratch of two kernels whose work the trace cannot see: cdist's matrix-product path
+(`_euclidean_dist`) and binary cross-entropy with logits over operands of mixed dtypes. The ground
+truth is `memplan.verify.measure` (the allocator's own events)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memplan.eager_backward import EAGER_BACKWARDS
+from memplan.estimate import estimate
+from memplan.step import StepConfig
+from memplan.verify import measure
+from memplan.workload import Workload
+
+
+def _target(h: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(0, 1, h.numel(), device=h.device).view_as(h).to(h.dtype)
+
+
+HEADS = {
+    "cumprod": lambda h: h.sigmoid().cumprod(dim=1),
+    "cumprod_function": lambda h: torch.cumprod(h.sigmoid(), -1),
+    "prod_dim": lambda h: h.sigmoid().prod(dim=1, keepdim=True) * h,
+    "prod_dim_dropped": lambda h: torch.prod(h.sigmoid(), 1)[:, None] * h,
+    "prod_all": lambda h: h.sigmoid().prod() * h,
+    "bce_pos_weight": lambda h: F.binary_cross_entropy_with_logits(
+        h, _target(h), pos_weight=torch.full((h.shape[1],), 2.0), reduction="none"),
+    "bce_weight_pos_weight_mean": lambda h: h * F.binary_cross_entropy_with_logits(
+        h, _target(h), weight=torch.ones(h.shape[1]), pos_weight=torch.full((h.shape[1],), 2.0)),
+    "bce_module": lambda h: h * nn.BCEWithLogitsLoss(pos_weight=torch.full((h.shape[1],), 2.0))(h, _target(h)),
+    "cdist": lambda h: torch.cdist(h, h.flip(0)),
+    "cdist_batched": lambda h: torch.cdist(h.view(4, -1, 64), h.view(4, -1, 64).flip(1),
+                                           compute_mode="use_mm_for_euclid_dist"),
+}
+
+
+class Head(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.name = name
+
+    def forward(self, x):
+        return HEADS[self.name](self.fc(x)).square().mean()
+
+
+def head(batch_size: int = 32, name: str = "cumprod"):
+    torch.manual_seed(0)
+    return Head(name), (torch.randn(batch_size, 64),)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
+@pytest.mark.parametrize("name", list(HEADS))
+def test_backward_formulas_and_kernels_match_eager(name, precision):
+    workload = Workload(f"head:{name}", head, 32, {"name": name})
+    config = StepConfig(precision=precision, optimizer="sgd", steps=2)
+    predicted, measured = estimate(workload, config, device="cpu"), measure(workload, config, device="cpu")
+    assert not predicted.approximate
+    assert predicted.phase_peaks == measured.phase_peaks
+    assert predicted.peak_bytes == measured.measured_peak_bytes
+
+
+@pytest.mark.parametrize("function", ["cumprod", "prod_dim", "prod_all", "bce"])
+def test_eager_path_gradients_equal_torch_s(function):
+    """The Functions' backward is eager's path op for op, so on real tensors (without zeros) its
+    gradients are torch's own, a double backward included."""
+    torch.manual_seed(0)
+    x = torch.rand(6, 5, dtype=torch.float64) + 0.5
+    target, weight, pos_weight = torch.rand(6, 5, dtype=torch.float64), torch.rand(5, dtype=torch.float64), \
+        torch.rand(5, dtype=torch.float64) + 1
+    calls = {
+        "cumprod": (torch.cumprod, (1,), {}),
+        "prod_dim": (torch.prod, (0,), {}),
+        "prod_all": (torch.prod, (), {}),
+        "bce": (F.binary_cross_entropy_with_logits, (target, weight), {"pos_weight": pos_weight}),
+    }
+    original, args, kwargs = calls[function]
+    rewrite = EAGER_BACKWARDS[original]
+    for f in (original, rewrite):
+        assert torch.autograd.gradcheck(lambda t, f=f: f(t, *args, **kwargs), (x.clone().requires_grad_(),))
+        assert torch.autograd.gradgradcheck(lambda t, f=f: f(t, *args, **kwargs), (x.clone().requires_grad_(),))
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    original(a, *args, **kwargs).sum().backward()
+    rewrite(b, *args, **kwargs).sum().backward()
+    assert a.grad is not None and torch.allclose(a.grad, b.grad)
