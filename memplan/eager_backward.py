@@ -170,9 +170,46 @@ def binary_cross_entropy_with_logits(input: torch.Tensor, target: torch.Tensor, 
                   (input, target, weight, pos_weight), reduction)
 
 
+class _EvenlyDistributed(torch.autograd.Function):
+    """MaxBackward1, MinBackward1, MedianBackward0, NanmedianBackward0 (a reduction over all elements to
+    one of them): evenly_distribute_backward. Its plain path reads whether the result is NaN back
+    (typically not), masks the elements equal to it, and fills the gradient shared among them into new
+    zeros: `grad.new_zeros(...).masked_fill_(mask, grad / mask.sum())`."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        result = reduce(input)
+        ctx.save_for_backward(input, result)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        input, result = ctx.saved_tensors
+        result.isnan()  # eager reads it back
+        mask = input == result
+        zeros = grad.new_zeros(input.shape)
+        count = mask.sum()
+        share = grad / count
+        return zeros.masked_fill_(mask, share), None
+
+
+def _evenly_distributed(reduce: Callable[..., torch.Tensor], ops: tuple[str, ...]) -> Callable[..., Any]:
+    """`reduce(input)` over all elements through _EvenlyDistributed; with a dimension, another tensor
+    (max(a, b)) or `out`, the function as it is."""
+
+    def call(input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(input, torch.Tensor) or not _plain(ops, input):
+            return reduce(input, *args, **kwargs)
+        return _apply(_EvenlyDistributed, ops, (input,), reduce)
+
+    return call
+
+
 # the functions, as torch's function modes see them called -> the eager-path version
 EAGER_BACKWARDS: dict[Any, Callable[..., Any]] = {
     torch.cumprod: cumprod, torch.Tensor.cumprod: cumprod,
     torch.prod: prod, torch.Tensor.prod: prod,
     F.binary_cross_entropy_with_logits: binary_cross_entropy_with_logits,
+    **{f: _evenly_distributed(f, (name,)) for name in ("max", "min", "median", "nanmedian")
+       for f in (getattr(torch, name), getattr(torch.Tensor, name))},
 }

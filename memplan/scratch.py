@@ -616,6 +616,21 @@ _IMPLICIT_WRAPPED = {op: 1.0 for op in (aten.rad2deg.default, aten.rad2deg_.defa
 _NOT_PROMOTED = frozenset({"condition", "mask"})
 
 
+# Namespaces whose ops are PyTorch's own (rules above, or none needed), or that have no kernel to measure
+_OWN_NAMESPACES = frozenset({"aten", "prims", "prim", "profiler", "_c10d_functional", "c10d", "higher_order"})
+
+
+@generic_rule("cpu")
+def _custom_op(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """An op registered outside aten (torch.library: torch's own `torch_nn::_linear_cross_entropy_batch_chunked`,
+    torchvision's `roi_align`, a user's extension) is traced through its fake implementation, which
+    makes the outputs and nothing of what the real kernel allocates inside (the chunked cross-entropy's
+    logits and softmax per chunk): measured."""
+    if getattr(func, "namespace", "aten") in _OWN_NAMESPACES:
+        return 0
+    return probe_scratch(func, args, kwargs)
+
+
 @generic_rule("cpu")
 def _wrapped_numbers(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Each wrapped number is a 0-dim tensor of its own (8 bytes for int64/double)."""
@@ -1235,6 +1250,20 @@ def _kthvalue(args: tuple, kwargs: dict, out: Any) -> int:
     same shape (a 0-dim input is copied into the outputs instead)."""
     self = args[0]
     return 0 if self.dim() == 0 else self.numel() * (_itemsize(self.dtype) + 8)
+
+
+@scratch_rule("cpu", aten.median.default, aten.nanmedian.default)
+def _median_of_all(args: tuple, kwargs: dict, out: Any) -> int:
+    """Sorting.cpp median_impl over all elements: selects the middle one (nth_element) in a clone of the
+    input, made before the output."""
+    self = args[0]
+    return self.numel() * _itemsize(self.dtype)
+
+
+# ... along a dimension (median_with_indices_impl): a copy of the input unless the values along `dim`
+# are laid out as the kernel walks them; measured.
+for _op in (aten.median.dim, aten.nanmedian.dim):
+    scratch_rule("cpu", _op)(_probe(_op))
 
 
 @scratch_rule("cpu", aten.dist.default)

@@ -1,9 +1,11 @@
 """Backward formulas that take another path under tracing than in eager (memplan/eager_backward.py):
 cumprod and prod divide by the input in eager and take a zero-safe product under a dispatch mode, and
-binary cross-entropy with logits writes its gradient in place in eager, out of place under one. Also
-the scratch of two kernels whose work the trace cannot see: cdist's matrix-product path
-(`_euclidean_dist`) and binary cross-entropy with logits over operands of mixed dtypes. The ground
-truth is `memplan.verify.measure` (the allocator's own events)."""
+binary cross-entropy with logits writes its gradient in place in eager, out of place under one, and
+a reduction to one element (max(), min(), median()) fills its gradient into new zeros in eager. Also
+the scratch of kernels whose work the trace cannot see: cdist's matrix-product path
+(`_euclidean_dist`), binary cross-entropy with logits over operands of mixed dtypes, and ops registered
+outside aten (torch's chunked `linear_cross_entropy`). The ground truth is `memplan.verify.measure`
+(the allocator's own events)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ HEADS = {
     "bce_weight_pos_weight_mean": lambda h: h * F.binary_cross_entropy_with_logits(
         h, _target(h), weight=torch.ones(h.shape[1]), pos_weight=torch.full((h.shape[1],), 2.0)),
     "bce_module": lambda h: h * nn.BCEWithLogitsLoss(pos_weight=torch.full((h.shape[1],), 2.0))(h, _target(h)),
+    "max_all": lambda h: h.max().expand(2),
+    "min_all_method": lambda h: torch.min(h * 2).expand(2),
+    "median_all": lambda h: h.median().expand(2),
     "cdist": lambda h: torch.cdist(h, h.flip(0)),
     "cdist_batched": lambda h: torch.cdist(h.view(4, -1, 64), h.view(4, -1, 64).flip(1),
                                            compute_mode="use_mm_for_euclid_dist"),
@@ -66,7 +71,7 @@ def test_backward_formulas_and_kernels_match_eager(name, precision):
     assert predicted.peak_bytes == measured.measured_peak_bytes
 
 
-@pytest.mark.parametrize("function", ["cumprod", "prod_dim", "prod_all", "bce"])
+@pytest.mark.parametrize("function", ["cumprod", "prod_dim", "prod_all", "bce", "max", "median"])
 def test_eager_path_gradients_equal_torch_s(function):
     """The Functions' backward is eager's path op for op, so on real tensors (without zeros) its
     gradients are torch's own, a double backward included."""
@@ -79,6 +84,8 @@ def test_eager_path_gradients_equal_torch_s(function):
         "prod_dim": (torch.prod, (0,), {}),
         "prod_all": (torch.prod, (), {}),
         "bce": (F.binary_cross_entropy_with_logits, (target, weight), {"pos_weight": pos_weight}),
+        "max": (torch.max, (), {}),
+        "median": (torch.median, (), {}),
     }
     original, args, kwargs = calls[function]
     rewrite = EAGER_BACKWARDS[original]
@@ -89,3 +96,37 @@ def test_eager_path_gradients_equal_torch_s(function):
     original(a, *args, **kwargs).sum().backward()
     rewrite(b, *args, **kwargs).sum().backward()
     assert a.grad is not None and torch.allclose(a.grad, b.grad)
+
+
+class ChunkedHead(nn.Module):
+    """A language model's head through F.linear_cross_entropy's chunked path: a custom op
+    (torch_nn::_linear_cross_entropy_batch_chunked) that makes the logits and their softmax a chunk at a
+    time inside its kernel, which the fake implementation does not."""
+
+    def __init__(self, reduction: str, vocab: int = 1000, d: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.reduction = reduction
+
+    def forward(self, ids, labels):
+        h = torch.tanh(self.fc(self.emb(ids))).flatten(0, 1)
+        options = nn.LinearCrossEntropyOptions(batch_chunk_size=64)
+        return F.linear_cross_entropy(h, self.head.weight, labels.flatten(), reduction=self.reduction,
+                                      options=options).mean()
+
+
+def chunked_head(batch_size: int = 4, reduction: str = "mean"):
+    torch.manual_seed(0)
+    return ChunkedHead(reduction), (torch.randint(0, 1000, (batch_size, 64)), torch.randint(0, 1000, (batch_size, 64)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16"])
+def test_custom_ops_scratch_is_measured(precision, reduction):
+    workload = Workload("chunked_head", chunked_head, 4, {"reduction": reduction})
+    config = StepConfig(precision=precision, optimizer="adamw", steps=2)
+    predicted, measured = estimate(workload, config, device="cpu"), measure(workload, config, device="cpu")
+    assert predicted.phase_peaks == measured.phase_peaks
+    assert predicted.peak_bytes == measured.measured_peak_bytes

@@ -484,3 +484,18 @@ def test_grouped_mm_one_matmul_per_expert(threads, make_operands):
         out = op(*fakes, fake_offs)
         assert RULE(op, (*fakes, offs), {}, out) == measured
         assert RULE(op, (*fakes, fake_offs), {}, out) >= measured
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op, make_args", [
+    (aten.median.default, lambda dtype: (randn(32, 64, dtype=dtype),)),
+    (aten.nanmedian.default, lambda dtype: (randn(64, 32, dtype=dtype).t(),)),
+    (aten.median.dim, lambda dtype: (randn(32, 64, dtype=dtype), 1)),  # along the rows as laid out: no copy
+    (aten.median.dim, lambda dtype: (randn(32, 64, dtype=dtype), 0)),
+    (aten.nanmedian.dim, lambda dtype: (randn(8, 16, 4, dtype=dtype), 1)),
+    (aten._euclidean_dist.default, lambda dtype: (randn(40, 16, dtype=dtype), randn(30, 16, dtype=dtype))),
+], ids=["median", "nanmedian-transposed", "median-last-dim", "median-dim0", "nanmedian-dim1", "euclidean_dist"])
+def test_selection_and_distance_copies(op, make_args, dtype):
+    """median's selection works in a copy of the input (of what is not laid out along the dimension);
+    cdist's matrix-product path pads both operands with their squared norms and multiplies them."""
+    check(op, lambda: make_args(dtype))
