@@ -297,8 +297,10 @@ def _unfold_backward(args: tuple, kwargs: dict, out: Any) -> int:
     """aten/src/ATen/native/UnfoldBackward.cpp: overlapping windows (step < size, torch.istft's overlap-add)
     are summed through an int64 index over the positions the windows cover; apart, they are copied in."""
     _, input_sizes, dim, size, step = args[:5]
+    if step >= size or not input_sizes:  # apart, or a 0-dim input's single window
+        return 0
     windows = (input_sizes[dim] - size) // step + 1
-    return 0 if step >= size else 8 * ((windows - 1) * step + size)
+    return 8 * ((windows - 1) * step + size)
 
 
 def _probe_unless_contiguous(func: Any) -> ScratchFormula:

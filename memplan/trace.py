@@ -1429,6 +1429,16 @@ def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any
     return (losses / lengths).mean()
 
 
+def _tensor_split(input: torch.Tensor, indices_or_sections: Any, dim: int = 0) -> tuple[torch.Tensor, ...]:
+    """TensorShape.cpp tensor_split over a tensor of indices (or a 0-dim count of sections) reads it
+    through its data pointer: read back here instead (its known values where it has them), as eager reads
+    it; the split itself is views, as in eager."""
+    if isinstance(indices_or_sections, torch.Tensor):
+        values = indices_or_sections.tolist()
+        return torch.tensor_split(input, values, dim)
+    return torch.tensor_split(input, indices_or_sections, dim)
+
+
 def _tensor_of_elements(data: Any, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
     """torch.tensor over (nested) lists that hold one-element tensors (torchtune's Llama3ScaledRoPE:
     `torch.tensor(new_freqs)` of 0-dim tensors) copies each element through its data pointer, which a
@@ -1465,6 +1475,7 @@ def _unless_functorch_wrapped(rewrite: Callable[..., Any], original: Callable[..
 _REWRITTEN_FUNCTIONS = {torch._C._VariableFunctions._pad_packed_sequence: _pad_packed_sequence,
                         torch.allclose: _allclose, torch.Tensor.allclose: _allclose,
                         torch.nn.functional.one_hot: _one_hot, F.ctc_loss: _ctc_loss, torch.tensor: _tensor_of_elements,
+                        torch.tensor_split: _tensor_split, torch.Tensor.tensor_split: _tensor_split,
                         # backward formulas with a path for plain tensors (memplan/eager_backward.py)
                         **{f: _unless_functorch_wrapped(rewrite, f) for f, rewrite in EAGER_BACKWARDS.items()}}
 # while the factory builds: only what reads values back (the other rewrites are the step's kernels)

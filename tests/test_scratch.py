@@ -499,3 +499,9 @@ def test_selection_and_distance_copies(op, make_args, dtype):
     """median's selection works in a copy of the input (of what is not laid out along the dimension);
     cdist's matrix-product path pads both operands with their squared norms and multiplies them."""
     check(op, lambda: make_args(dtype))
+
+
+def test_unfold_backward_of_a_zero_dim_tensor():
+    """Tensor.unfold of a 0-dim tensor takes it as one element; its backward's input sizes are empty
+    (the rule indexed them and failed the estimate)."""
+    check(aten.unfold_backward.default, lambda: (randn(1), [], 0, 1, 1))

@@ -307,3 +307,28 @@ def test_a_backward_loop_counts_per_backward_pass():
     predicted = estimate(workload, config, device="cpu")
     assert predicted.approximate
     assert predicted.peak_bytes == measure(workload, config, device="cpu").measured_peak_bytes
+
+
+def split_by_index_tensor(batch_size: int = 4):
+    """torch.tensor_split by a tensor of indices (a buffer) and by a 0-dim count of sections: eager reads
+    both through their data pointers; the estimate failed ("its data is not allocated yet")."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 48)
+            self.register_buffer("cuts", torch.tensor([8, 20, 40]))
+            self.register_buffer("sections", torch.tensor(3))
+
+        def forward(self, x):
+            h = self.fc(x)
+            parts = torch.tensor_split(h, self.cuts, dim=1) + h.tensor_split(self.sections, 1)
+            return sum(p.square().mean() * (i + 1) for i, p in enumerate(parts))
+
+    return Net(), (torch.randn(batch_size, 16),)
+
+
+def test_tensor_split_by_a_tensor_reads_it_back():
+    predicted, measured = _compare(split_by_index_tensor)
+    assert predicted.phase_peaks == measured.phase_peaks
+    assert predicted.peak_bytes == measured.measured_peak_bytes
