@@ -99,19 +99,18 @@ def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_leng
                       *_: Any, known: Callable[[Any], Any], **__: Any) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
     """aten._ctc_loss: (neg_log_likelihood (batch,), log_alpha (batch, T, 2 * max_target_length + 1)),
     as LossCTC.cpp and LossCTC.cu allocate them. Fake tensors refuse it: the longest target is read
-    from the lengths. Padded 2-D targets give it by their width, integer-list lengths and tensor
-    lengths whose values are known (`known`) by their values (all exact); concatenated 1-D targets with
-    other tensor lengths are bounded by all the targets."""
+    from the lengths, for padded 2-D targets as for concatenated 1-D ones (LossCTC.cpp takes the
+    largest length, not the padded width): integer-list lengths and tensor lengths whose values are
+    known (`known`) give it exactly; other tensor lengths are bounded by the padded width (2-D) or by
+    all the targets (1-D)."""
     lengths = known(target_lengths) if isinstance(target_lengths, torch.Tensor) else None
-    if targets.dim() == 2:
-        longest, exact = targets.shape[1], True
-    elif isinstance(target_lengths, (list, tuple)):
+    if isinstance(target_lengths, (list, tuple)):
         longest, exact = max(target_lengths, default=0), True
     elif lengths is not None:
         with _disable_current_modes():
             longest, exact = int(lengths.max()) if lengths.numel() else 0, True
     else:
-        longest, exact = targets.shape[0], False
+        longest, exact = targets.shape[-1], False
     batch = log_probs.shape[1]
     nll = torch.empty((batch,), dtype=log_probs.dtype, device=log_probs.device)
     log_alpha = torch.empty((batch, log_probs.shape[0], 2 * longest + 1), dtype=log_probs.dtype, device=log_probs.device)
