@@ -205,11 +205,33 @@ def _evenly_distributed(reduce: Callable[..., torch.Tensor], ops: tuple[str, ...
     return call
 
 
+class _Take(torch.autograd.Function):
+    """TakeBackward0: take_backward, `zeros_like(self).put_(index, grad, accumulate=True)`: in place for
+    plain tensors, through `put` (a copy) for subclass-like ones."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(input, index)
+        return torch.take(input, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        input, index = ctx.saved_tensors
+        return torch.zeros_like(input).put_(index, grad, True), None
+
+
+def take(input: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if not isinstance(index, torch.Tensor) or not _plain(("take",), input):
+        return torch.take(input, index)
+    return _apply(_Take, ("take",), (input,), index)
+
+
 # the functions, as torch's function modes see them called -> the eager-path version
 EAGER_BACKWARDS: dict[Any, Callable[..., Any]] = {
     torch.cumprod: cumprod, torch.Tensor.cumprod: cumprod,
     torch.prod: prod, torch.Tensor.prod: prod,
     F.binary_cross_entropy_with_logits: binary_cross_entropy_with_logits,
+    torch.take: take, torch.Tensor.take: take,
     **{f: _evenly_distributed(f, (name,)) for name in ("max", "min", "median", "nanmedian")
        for f in (getattr(torch, name), getattr(torch.Tensor, name))},
 }

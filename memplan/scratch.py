@@ -279,11 +279,15 @@ for _op in (aten.mse_loss.default, aten.smooth_l1_loss.default, aten.soft_margin
 
 # F.unfold / F.fold (im2col, col2im: aten/src/ATen/native/Im2Col.cpp, Col2Im.cpp copy their input to a
 # contiguous or resized buffer first), F.affine_grid's base grid, nn.Bilinear's _trilinear
-# (Linear.cpp: sum-products through permuted, expanded copies of its operands) and torch.cdist's
+# (Linear.cpp: sum-products through permuted, expanded copies of its operands), torch.cdist's
 # matrix-product path for p=2 (Distance.cpp _euclidean_dist: squared norms, two padded copies of the
-# operands through `cat`, their product): measured.
+# operands through `cat`, their product), antialiased interpolation's weights and its separable passes'
+# intermediate (UpSampleKernel.cpp), and mvlgamma's `arange(...).add(self.unsqueeze(-1))` (UnaryOps.cpp):
+# measured.
 for _op in (aten.im2col.default, aten.col2im.default, aten.affine_grid_generator.default, aten._trilinear.default,
-            aten._euclidean_dist.default):
+            aten._euclidean_dist.default, aten._upsample_bilinear2d_aa.default, aten._upsample_bicubic2d_aa.default,
+            aten._upsample_bilinear2d_aa_backward.default, aten._upsample_bicubic2d_aa_backward.default,
+            aten.mvlgamma.default):
     scratch_rule("cpu", _op)(_probe(_op))
 
 # torch.linalg.lstsq (BatchLinearAlgebra.cpp linalg_lstsq_out_info): a column-major copy of A and LAPACK's

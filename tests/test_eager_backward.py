@@ -1,7 +1,8 @@
 """Backward formulas that take another path under tracing than in eager (memplan/eager_backward.py):
 cumprod and prod divide by the input in eager and take a zero-safe product under a dispatch mode, and
 binary cross-entropy with logits writes its gradient in place in eager, out of place under one, and
-a reduction to one element (max(), min(), median()) fills its gradient into new zeros in eager. Also
+a reduction to one element (max(), min(), median()) fills its gradient into new zeros in eager, as
+`take` puts its gradient into them in place. Also
 the scratch of kernels whose work the trace cannot see: cdist's matrix-product path
 (`_euclidean_dist`), binary cross-entropy with logits over operands of mixed dtypes, and ops registered
 outside aten (torch's chunked `linear_cross_entropy`). The ground truth is `memplan.verify.measure`
@@ -39,6 +40,7 @@ HEADS = {
     "max_all": lambda h: h.max().expand(2),
     "min_all_method": lambda h: torch.min(h * 2).expand(2),
     "median_all": lambda h: h.median().expand(2),
+    "take": lambda h: torch.take(h, torch.arange(0, h.numel(), 3)),
     "cdist": lambda h: torch.cdist(h, h.flip(0)),
     "cdist_batched": lambda h: torch.cdist(h.view(4, -1, 64), h.view(4, -1, 64).flip(1),
                                            compute_mode="use_mm_for_euclid_dist"),
@@ -71,7 +73,7 @@ def test_backward_formulas_and_kernels_match_eager(name, precision):
     assert predicted.peak_bytes == measured.measured_peak_bytes
 
 
-@pytest.mark.parametrize("function", ["cumprod", "prod_dim", "prod_all", "bce", "max", "median"])
+@pytest.mark.parametrize("function", ["cumprod", "prod_dim", "prod_all", "bce", "max", "median", "take"])
 def test_eager_path_gradients_equal_torch_s(function):
     """The Functions' backward is eager's path op for op, so on real tensors (without zeros) its
     gradients are torch's own, a double backward included."""
@@ -86,6 +88,7 @@ def test_eager_path_gradients_equal_torch_s(function):
         "bce": (F.binary_cross_entropy_with_logits, (target, weight), {"pos_weight": pos_weight}),
         "max": (torch.max, (), {}),
         "median": (torch.median, (), {}),
+        "take": (torch.take, (torch.tensor([0, 7, 7, 29]),), {}),
     }
     original, args, kwargs = calls[function]
     rewrite = EAGER_BACKWARDS[original]

@@ -494,7 +494,9 @@ def test_grouped_mm_one_matmul_per_expert(threads, make_operands):
     (aten.median.dim, lambda dtype: (randn(32, 64, dtype=dtype), 0)),
     (aten.nanmedian.dim, lambda dtype: (randn(8, 16, 4, dtype=dtype), 1)),
     (aten._euclidean_dist.default, lambda dtype: (randn(40, 16, dtype=dtype), randn(30, 16, dtype=dtype))),
-], ids=["median", "nanmedian-transposed", "median-last-dim", "median-dim0", "nanmedian-dim1", "euclidean_dist"])
+    (aten.mvlgamma.default, lambda dtype: (randn(32, 64, dtype=dtype).abs() + 3, 3)),
+], ids=["median", "nanmedian-transposed", "median-last-dim", "median-dim0", "nanmedian-dim1", "euclidean_dist",
+        "mvlgamma"])
 def test_selection_and_distance_copies(op, make_args, dtype):
     """median's selection works in a copy of the input (of what is not laid out along the dimension);
     cdist's matrix-product path pads both operands with their squared norms and multiplies them."""
@@ -505,3 +507,13 @@ def test_unfold_backward_of_a_zero_dim_tensor():
     """Tensor.unfold of a 0-dim tensor takes it as one element; its backward's input sizes are empty
     (the rule indexed them and failed the estimate)."""
     check(aten.unfold_backward.default, lambda: (randn(1), [], 0, 1, 1))
+
+
+@pytest.mark.parametrize("op, make_args", [
+    (aten._upsample_bilinear2d_aa.default, lambda: (randn(4, 3, 16, 16), [9, 9], False, None, None)),
+    (aten._upsample_bicubic2d_aa.default, lambda: (randn(4, 3, 8, 8), [13, 11], True, None, None)),
+    (aten._upsample_bilinear2d_aa_backward.default, lambda: (randn(4, 3, 9, 9), [9, 9], [4, 3, 16, 16], False, None, None)),
+], ids=["bilinear-down", "bicubic-up", "bilinear-backward"])
+def test_antialiased_interpolation(op, make_args):
+    """The separable kernels' index and weight buffers, and the intermediate between the two passes."""
+    check(op, make_args)
