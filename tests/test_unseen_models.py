@@ -1724,6 +1724,38 @@ def test_ops_without_a_cpu_kernel_for_the_dtype_fail_the_estimate_as_eager_fails
     assert estimate(workload, fp32, device="cpu").peak_bytes == measure(workload, fp32, device="cpu").measured_peak_bytes
 
 
+class _Polar(_OneLayer):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.polar(h.abs(), h).abs().float().sum()
+
+
+class _ComplexPairs(_OneLayer):
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.complex(h, h.flip(0)).abs().float().sum()
+
+
+class _WeightedNll(_OneLayer):
+    def forward(self, x):  # class weights made in forward, float32, beside a bf16 layer's scores
+        return F.nll_loss(self.fc(x).log_softmax(-1), torch.zeros(x.shape[0], dtype=torch.long),
+                          weight=torch.ones(16)).float()
+
+
+@pytest.mark.parametrize("net", [_Polar, _ComplexPairs, _WeightedNll])
+def test_kernel_checks_that_name_the_dtype_fail_the_estimate_as_eager_fails(net):
+    """Kernels built for the dtype whose checks refuse it ("Expected both inputs to be Half, Float or
+    Double tensors but got BFloat16 ...", "expected scalar type BFloat16 but found Float"): eager's
+    error, which the fake kernels do not raise, is the estimate's."""
+    workload = Workload(net.__name__, lambda batch_size=2: (net(), (torch.randn(batch_size, 16),)), 2, {})
+    config = StepConfig(precision="bf16", optimizer="sgd", steps=1)
+    with pytest.raises(RuntimeError) as eager:  # the ground truth: the real step on the CPU
+        measure(workload, config, device="cpu")
+    with pytest.raises(NotImplementedError) as estimated:
+        estimate(workload, config, device="cpu")
+    assert str(estimated.value).startswith("aten.") and str(estimated.value).endswith(str(eager.value).splitlines()[0])
+
+
 def test_the_cli_names_a_missing_cpu_kernel_in_one_line(tmp_path):
     from typer.testing import CliRunner
 
