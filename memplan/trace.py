@@ -2582,7 +2582,10 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
                     and built.shape == buffer.shape and recorder.known.keeps(buffer) and buffer.layout is torch.strided:
                 with _disable_current_modes():
                     recorder.known.keep([buffer], [shadows.values.real[built].to(buffer.dtype)])
-        del built_buffers
+        # nothing here may keep a buffer alive through the step: a forward that replaces one
+        # (`self.register_buffer(name, new)`, `self.stat = new`) frees the old block in eager
+        del built_buffers, buffers
+        buffer = built = value = None
         del shadows
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}
 

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from memplan.errors import BadInput
+from memplan.estimate import estimate
 from memplan.plan import Plan, Segment, save_plan
 from memplan.step import StepConfig
 from memplan.verify import (
@@ -637,6 +638,42 @@ def test_a_buffer_replaced_or_resized_in_forward_frees_its_storage_from_before_t
     # and while updating, the old and the new buffer are both live
     if update == "replace":
         assert updated.phase_peaks["forward"] >= updated.baseline_bytes + 1024 * 256 * 4
+
+
+class _ReplacedStatistic(nn.Module):
+    """Running statistics the forward replaces, as vector-quantize-pytorch's affine codebook does:
+    `register_buffer(name, new)` over an `empty` buffer and a bool `needs_init` flag at the first
+    call, or plain attribute assignment."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(64, 256)
+        self.register_buffer("needs_init", torch.tensor(True))
+        self.register_buffer("stat", torch.empty(64, 256))
+
+    def forward(self, x):
+        h = self.fc(x)
+        new = h.mean((0, 1)).detach().expand(64, 256).clone()
+        if self.how == "register":
+            if self.needs_init:
+                self.register_buffer("needs_init", torch.tensor(False))
+            self.register_buffer("stat", new)
+        else:
+            self.stat = self.stat * 0.9 + new * 0.1
+        return (h - self.stat.mean(0)).pow(2).mean()
+
+
+@pytest.mark.parametrize("how", ["register", "assign"])
+def test_the_estimate_frees_a_buffer_the_forward_replaces(how):
+    """The tracer held a list of the model's buffers through the traced step, so a buffer the forward
+    replaced was never freed: every phase 64 KiB (and the flag's byte) over the measured step."""
+    workload = Workload(how, lambda batch_size=2: (_ReplacedStatistic(how), (torch.randn(batch_size, 8, 64),)), 2, {})
+    for config in (StepConfig("fp32", "adamw", steps=2), StepConfig("bf16", "sgd", steps=2)):
+        predicted = estimate(workload, config, device="cpu")
+        measured = measure(workload, config, device="cpu")
+        assert predicted.peak_bytes == measured.measured_peak_bytes, (config, predicted.peak_bytes, measured.measured_peak_bytes)
+        assert dict(predicted.phase_peaks) == dict(measured.phase_peaks)
 
 
 def _broken(batch_size: int = 2):
