@@ -328,6 +328,17 @@ def _with_later_steps(sim: Simulation, steps: int) -> Simulation:
                    later_steps_peak_bytes=max(sim.later_steps_peak_bytes or 0, later))
 
 
+def _host_draws(trace: Trace) -> tuple[str, ...]:
+    """The host generators a module draws from at every step (Trace.host_random_modules), named as the
+    estimate's assumptions: their numbers steer Python (`if random.random() < 0.5:`, a self-conditioning
+    pass half the time in denoising-diffusion-pytorch), and the traced step draws other numbers than a
+    real one does, so a real step may take another branch."""
+    drawing = trace.host_random_modules  # a module's callers draw with it: name the innermost
+    inner = [path for path in drawing if not any(other != path and (not path or other.startswith(path + "."))
+                                                   for other in drawing)]
+    return tuple(dict.fromkeys(f"{drawing[path]} (drawn in {path or 'the model'})" for path in inner))
+
+
 def estimate_of_trace(workload: Workload, config: StepConfig, device: str, trace: Trace, *,
                       with_timeline: bool = False, gpu: str | None = None, extra_flops: int = 0) -> Estimate:
     """The estimate a traced step gives (or one rewritten from it, memplan.replay: `extra_flops` are the
@@ -349,7 +360,7 @@ def estimate_of_trace(workload: Workload, config: StepConfig, device: str, trace
         later_steps_peak_bytes=sim.later_steps_peak_bytes,
         step_flops=sum(op.flops for op in trace.ops if op.step == 0) + extra_flops,
         top_modules=sim.top_modules,
-        approximate=bool(trace.approximate_ops),
-        approximate_ops=trace.approximate_ops,
+        approximate=bool(trace.approximate_ops) or bool(trace.host_random_modules),
+        approximate_ops=trace.approximate_ops + _host_draws(trace),
         simulation=sim,
     )

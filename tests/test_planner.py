@@ -1121,3 +1121,43 @@ def test_gradients_are_compared_on_copies_of_the_inputs():
                 method="manual", segments=(Segment(("1",)), Segment(("2",))), feasible=True, budget_bytes=None,
                 predicted_peak_bytes=0, unplanned_peak_bytes=0, recompute_flops=0, step_flops=0)
     assert gradients_equal(workload, plan)
+
+
+class _SelfConditioned(nn.Module):
+    """Half the time a first pass conditions the second (self-conditioning as in
+    denoising-diffusion-pytorch: `if random() < 0.5:`), the coin drawn from `source`'s generator."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
+        self.net = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64))
+
+    def forward(self, x):
+        if self.source == "seeded":
+            random.seed(3)
+        coin = torch.rand(()).item() if self.source == "torch" else random.random()
+        cond = torch.zeros_like(x)
+        if coin < 0.5:
+            cond = self.net(x)
+        return self.net(x + cond).pow(2).mean()
+
+
+@pytest.mark.parametrize("source", ["random", "seeded", "torch"])
+def test_a_branch_on_a_host_generator_flags_the_estimate_approximate(source):
+    """The traced step draws other numbers from Python's generator than a real one does: which branch a
+    real step takes varies from run to run (measured: both), so the estimate says it is approximate and
+    names the generator. A module that seeds it first draws the same numbers in every run; torch's
+    generator is drawn alike in the trace and the step (a typical draw), as before."""
+    workload = _factory_workload(lambda: _SelfConditioned(source), (64, 64))
+    predicted = estimate(workload, CONFIG, device="cpu")
+    if source != "random":
+        assert not predicted.approximate and not predicted.approximate_ops
+        return
+    peaks = set()
+    for seed in range(40):
+        random.seed(seed)
+        peaks.add(tuple(sorted(measure(workload, CONFIG, device="cpu").phase_peaks.items())))
+        if len(peaks) > 1:
+            break
+    assert len(peaks) > 1  # a real step's forward peak depends on the coin
+    assert predicted.approximate and predicted.approximate_ops == ("random (drawn in the model)",)
