@@ -1519,7 +1519,21 @@ def _normal_median(_self: Any, mean: float = 0.0, *_: Any, **__: Any) -> float:
     return mean
 
 
+def _randint_median(*args: Any, **kwargs: Any) -> int:
+    bounds = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]  # (high) or (low, high)
+    low = kwargs.get("low", bounds[0] if len(bounds) > 1 else 0)
+    high = kwargs.get("high", bounds[-1] if bounds else low + 1)
+    return (low + high - 1) // 2
+
+
+# A single integer draw read back is a value, not a test (`torch.randint(0, 10_000, ()).item()`: the seed
+# from which vector-quantize-pytorch's residual quantizers draw how many of them run): no side of it is
+# likelier, and a real step draws another. It reads as its median, a typical value, and flags the estimate
+# approximate where read (_RealValues.typical); a float draw read as its median stays a test's likelier side.
+_TYPICAL_DRAWS = frozenset((torch.ops.aten.randint, torch.ops.aten.randint_like))
+
 _DRAW_MEDIANS: dict[Any, Callable[..., float]] = {
+    **dict.fromkeys(_TYPICAL_DRAWS, _randint_median),
     **dict.fromkeys((torch.ops.aten.rand, torch.ops.aten.rand_like), lambda *_, **__: 0.5),
     **dict.fromkeys((torch.ops.aten.uniform, torch.ops.aten.uniform_), _uniform_median),
     **dict.fromkeys((torch.ops.aten.randn, torch.ops.aten.randn_like), lambda *_, **__: 0.0),
@@ -1544,9 +1558,10 @@ _TYPICAL_SELECTIONS = {torch.ops.aten.topk, torch.ops.aten.argmax, torch.ops.ate
 
 
 def drawn(op_name: str) -> bool:
-    """Whether an op named in Trace.approximate_ops is a selection drawn (_TYPICAL_SELECTIONS): its draw
-    repeats when recomputed, so unlike an assumed shape it does not keep a checkpoint from it."""
-    return any(op_name.startswith(f"{packet}.") for packet in _TYPICAL_SELECTIONS)
+    """Whether an op named in Trace.approximate_ops is a selection drawn (_TYPICAL_SELECTIONS) or a random
+    integer read as its median (_TYPICAL_DRAWS): its draw repeats when recomputed (a checkpoint restores
+    torch's generators), so unlike an assumed shape it does not keep a checkpoint from it."""
+    return any(op_name.startswith(f"{packet}.") for packet in (*_TYPICAL_SELECTIONS, *_TYPICAL_DRAWS))
 
 
 @dataclass
@@ -2013,6 +2028,8 @@ class _RealValues:
             if real_out is None and func._overloadpacket in _DRAW_MEDIANS and len(outputs) == 1 \
                     and outputs[0].numel() == 1:
                 real_out = self.median(func, args, kwargs, outputs[0])
+                if func._overloadpacket in _TYPICAL_DRAWS:
+                    typical = str(func)
             if real_out is None and self.selections and func._overloadpacket in _TYPICAL_SELECTIONS:
                 real_out, typical = self.selected(func, args, kwargs), str(func)
             # (the step's values only, as selections: the factory's float draws stay unknown)

@@ -332,3 +332,39 @@ def test_tensor_split_by_a_tensor_reads_it_back():
     predicted, measured = _compare(split_by_index_tensor)
     assert predicted.phase_peaks == measured.phase_peaks
     assert predicted.peak_bytes == measured.measured_peak_bytes
+
+
+class _RandomDepth(nn.Module):
+    """Residual quantization's dropout (vector-quantize-pytorch's ResidualVQ): each step runs the first
+    `n` of its stages, `n` drawn at random and read back (`torch.randint(low, high, ()).item()`); `fixed`
+    runs a given number of stages instead."""
+
+    def __init__(self, fixed: int | None = None):
+        super().__init__()
+        self.fixed = fixed
+        self.stages = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(8))
+
+    def forward(self, x):
+        n = self.fixed if self.fixed is not None else int(torch.randint(1, 8, ()).item())
+        for stage in self.stages[:n]:
+            x = x + stage(x)
+        return x.square().mean()
+
+
+def random_depth(batch_size: int = 16):
+    return _RandomDepth(), (torch.randn(batch_size, 64),)
+
+
+def test_a_random_integer_read_back_reads_its_median_and_flags_the_estimate():
+    """A single random integer read back is a value with no likelier side: it read 1 as any unknown
+    integer does (the fewest stages), and the estimate claimed exactness. It reads as its median now
+    (`randint(1, 8)`: 4), a typical draw, and the estimate says it is approximate; a checkpoint may still
+    hold the draw (its recomputation draws the same number)."""
+    predicted, _ = _compare(random_depth)
+    median = Workload("median", lambda batch_size=16: (_RandomDepth(fixed=4), (torch.randn(batch_size, 64),)), None, {})
+    config = StepConfig(precision="fp32", optimizer="adamw", steps=2)
+    measured = measure(median, config, device="cpu")
+    assert predicted.peak_bytes == measured.measured_peak_bytes
+    assert {k: predicted.phase_peaks[k] for k in PHASES} == {k: measured.phase_peaks[k] for k in PHASES}
+    assert predicted.approximate and predicted.approximate_ops == ("aten.randint.low",)
+    assert trace.drawn("aten.randint.low") and not trace.drawn("aten.nonzero.default")
