@@ -300,6 +300,9 @@ def unsafe_reason(
     ops = trace.ops[call.first_op : (last or call).end_op]
     if any(trace.parameters.intersection(op.writes) for op in ops):
         return "its forward writes a parameter in place: recomputed, it would write it again"
+    if _reads_a_buffer_it_updates(trace, ops):
+        return ("its forward updates a buffer in place that another of its ops reads (an EMA codebook): "
+                "recomputed, it would read the updated buffer and update it again")
     unsafe = next((op.name for op in ops if op.name in UNSAFE_TO_RECOMPUTE), None)
     if unsafe is not None:
         return UNSAFE_TO_RECOMPUTE[unsafe]
@@ -328,6 +331,18 @@ def unsafe_reason(
     if approximate_ops and any(op.name in approximate_ops for op in ops):
         return "has outputs with data-dependent shapes"
     return ""
+
+
+def _reads_a_buffer_it_updates(trace: Trace, ops: Sequence[Op]) -> bool:
+    """Whether one op of `ops` writes a buffer of the model in place (a storage made before the step that
+    is no parameter) that another of them reads: vector-quantize-pytorch's codebooks look codes up in
+    `embed` and then move it toward the batch's means (`embed.data.lerp_(...)`), so a recomputation
+    would quantize with the moved codebook (other gradients) and move it twice. A buffer only its own
+    op reads and writes (BatchNorm's running statistics, which the training forward never uses for
+    its output, a step counter's `add_`) does not count."""
+    written = {sid for op in ops for sid in op.writes if sid not in trace.parameters
+               and sid in trace.storages and trace.storages[sid].role == "weights"}
+    return bool(written) and any(sid in written for op in ops if not op.writes for sid in op.reads)
 
 
 def _within(paths: Iterable[str], members: Sequence[ModuleCall]) -> str | None:
