@@ -1,5 +1,5 @@
-"""The backward of prod and cumprod as eager runs it (memplan/eager_backward.py; a sweep over kornia's MS-SSIM loss, which takes a
-product over scales: 196,608 B over eager in backward)."""
+"""The backward of prod and cumprod as eager runs it (memplan/eager_backward.py; a sweep over kornia's
+MS-SSIM loss, which takes a product over scales, found it 196,608 B over eager in backward)."""
 
 from __future__ import annotations
 
