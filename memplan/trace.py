@@ -2557,6 +2557,21 @@ class _StorageKeepingFakeMode(FakeTensorMode):
             raise _BypassDispatchCache("a storage larger than its output")
 
 
+def _plain_tensor_attributes(model: nn.Module) -> list[torch.Tensor]:
+    """Tensors a module keeps as plain attributes, neither parameters nor buffers, directly or in a list,
+    tuple or dict (TabNet's `self.continuous_idx = torch.ones(n, dtype=torch.bool)`, then
+    `self.continuous_idx[cat_idxs] = 0`, which its forward iterates over to choose each column's
+    embedding): the precision converts none of them, and a real step reads their values as built."""
+    found: list[torch.Tensor] = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in _MODULE_ATTRIBUTES:
+                continue
+            parts = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            found.extend(t for t in parts if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
+    return found
+
+
 def _dense_extent(tensor: torch.Tensor) -> int:
     """The bytes `empty_strided` gives a tensor of this shape and strides."""
     if tensor.numel() == 0:
@@ -2590,7 +2605,8 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         # step reads their values
         buffers = list(prepared.model.buffers())
         recorder.approximate.extend(shadows.approximate)
-        for value in (part for t in [*_input_tensors(prepared), *buffers] for part in recorder.sparse.strided(t)):
+        held = [*_input_tensors(prepared), *buffers, *_plain_tensor_attributes(prepared.model)]
+        for value in (part for t in held for part in recorder.sparse.strided(t)):
             if value in shadows.values and recorder.known.keeps(value):
                 recorder.known.keep([value], [shadows.values.real[value]])
         for name, buffer in prepared.model.named_buffers():  # a known buffer the precision converted: cast as eager's

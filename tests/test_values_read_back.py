@@ -368,3 +368,44 @@ def test_a_random_integer_read_back_reads_its_median_and_flags_the_estimate():
     assert {k: predicted.phase_peaks[k] for k in PHASES} == {k: measured.phase_peaks[k] for k in PHASES}
     assert predicted.approximate and predicted.approximate_ops == ("aten.randint.low",)
     assert trace.drawn("aten.randint.low") and not trace.drawn("aten.nonzero.default")
+
+
+class _ColumnsByAttribute(nn.Module):
+    """pytorch-tabnet's EmbeddingGenerator: which columns are categorical is a plain tensor attribute, not a
+    buffer (`self.continuous_idx = torch.ones(n, dtype=torch.bool)`, then `[cat_idxs] = 0`), and forward
+    iterates over it to embed those columns. Only inputs' and buffers' known values reached the traced
+    step, so every column read as continuous and the estimate failed on the next layer's width (TabNet
+    with categorical features: "running_mean should contain 16 elements not 21", every setting)."""
+
+    def __init__(self):
+        super().__init__()
+        self.continuous = torch.ones(8, dtype=torch.bool)
+        self.continuous[[0, 3]] = 0
+        self.sizes = [torch.tensor(16), torch.tensor(24)]  # in a list, too
+        self.embeddings = nn.ModuleList([nn.Embedding(5, int(n)) for n in self.sizes])
+        self.head = nn.Linear(6 + 16 + 24, 4)
+
+    def forward(self, x):
+        columns, k = [], 0
+        for i, continuous in enumerate(self.continuous):
+            if continuous:
+                columns.append(x[:, i:i + 1])
+            else:
+                columns.append(self.embeddings[k](x[:, i].long())[:, :int(self.sizes[k])])
+                k += 1
+        return self.head(torch.cat(columns, 1)).float().square().mean()
+
+
+def columns_by_attribute(batch_size: int = 64):
+    x = torch.randn(batch_size, 8)
+    x[:, 0], x[:, 3] = 1, 2
+    return _ColumnsByAttribute(), (x,)
+
+
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("amp-bf16", "adamw")])
+def test_a_plain_tensor_attributes_known_value_steers_forward_as_in_eager(precision, optimizer):
+    predicted, measured = _compare(columns_by_attribute, precision, optimizer)
+    for phase in PHASES:
+        assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
+                                                                           measured.phase_peaks)
+    assert not predicted.approximate
