@@ -1419,12 +1419,27 @@ def _one_hot(tensor: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
 
 def _ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
               blank: int = 0, reduction: str = "mean", zero_infinity: bool = False) -> torch.Tensor:
-    """LossCTC.cpp ctc_loss with the lengths as lists and reduction "mean": `at::tensor(target_lengths)`
-    fills the lengths' tensor through its data pointer. The same ops, the tensor made from Python."""
-    if reduction != "mean" or isinstance(target_lengths, torch.Tensor):
+    """LossCTC.cpp ctc_loss. Eager reads tensor lengths into lists (`ilc = input_lengths.to(kCPU,
+    kLong).contiguous()`, a copy unless they are already so, held to the end) and runs the list overload,
+    whose autograd node keeps the lists, not the tensors; fake tensors take the composite path for tensor
+    subclasses, whose node keeps both tensors through backward (wav2vec2's CTC head, lengths made in
+    forward: 16 B a sample over in backward). Where the recorder knows their values, they are passed as
+    lists too. Reduction "mean" divides by `at::tensor(target_lengths, res.options()).clamp_min(1)`: the
+    lengths made anew in the losses' dtype through its data pointer, which a fake tensor has not (lists
+    failed the estimate), where the composite path clamps the int64 lengths themselves (4 B a sample
+    over at the forward's peak). The same ops as eager's, the lengths' tensor made from Python."""
+    held = [t.to("cpu", torch.long).contiguous() for t in (input_lengths, target_lengths)  # noqa: F841 - eager's ilc, tlc
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    listed = _known_lists(input_lengths, target_lengths)
+    if listed is not None:
+        input_lengths, target_lengths = listed
+    if reduction != "mean":
         return F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
     losses = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, "none", zero_infinity)
-    lengths = torch.tensor(list(target_lengths), dtype=torch.long, device=losses.device).clamp_min(1)
+    if isinstance(target_lengths, torch.Tensor):  # the unclamped tensor is a temporary, freed at once
+        lengths = target_lengths.to(device=losses.device, dtype=losses.dtype).clamp_min(1)
+    else:
+        lengths = torch.tensor(list(target_lengths), dtype=losses.dtype, device=losses.device).clamp_min(1)
     return (losses / lengths).mean()
 
 
@@ -1436,6 +1451,21 @@ def _tensor_split(input: torch.Tensor, indices_or_sections: Any, dim: int = 0) -
         values = indices_or_sections.tolist()
         return torch.tensor_split(input, values, dim)
     return torch.tensor_split(input, indices_or_sections, dim)
+
+
+def _known_lists(*tensors: Any) -> list[list[int]] | None:
+    """Integer tensors' values as lists, where the step's recorder knows every one of them (read back as
+    eager reads them: a typical draw's flags the estimate approximate); else None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    recorder = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Recorder)), None)
+    if recorder is None or not all(isinstance(t, torch.Tensor) and t.dim() == 1 and t in recorder.known for t in tensors):
+        return None
+    for t in tensors:
+        if t in recorder.known.typical:
+            recorder.approximate.append(recorder.known.typical[t])
+    with _disable_current_modes():
+        return [recorder.known.real[t].tolist() for t in tensors]
 
 
 def _tensor_of_elements(data: Any, *args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
