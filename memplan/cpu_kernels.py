@@ -3,13 +3,13 @@
 A fake kernel checks shapes, not whether the real kernel was built for a dtype: many CPU kernels have
 no bfloat16, float16 or complex version (`avg_pool3d`, `cdist`, `multi_margin_loss`, antialiased
 `interpolate`, fp16 `rrelu`, the gradient scaler's unscale of complex gradients, MKL's FFT of bf16 and
-fp16 signals), so a trace under fake tensors runs a step that eager's CPU refuses. Before an op first
-runs on such a dtype, the tracer asks the kernel: it runs once on small real tensors of the same dtypes
-(zeros, every dimension cut to at most PROBE_EDGE unless all of them are small; the output sized by the
-meta kernel first, so no probe allocates much), and eager's own refusal, "... not implemented for
-'BFloat16'" or a check that names the dtype, becomes the trace's. Any other error of the probe (a shape
-the cut made invalid, a value check on zeros) says nothing about the dtype and is ignored. The answer is
-a property of the torch build, kept per op and dtypes.
+fp16 signals, `exp` of ComplexHalf), so a trace under fake tensors runs a step that eager's CPU
+refuses. Before an op first runs on such a dtype, the tracer asks the kernel: it runs once on small
+real tensors of the same dtypes (zeros, every dimension cut to at most PROBE_EDGE unless all of them
+are small; the output sized by the meta kernel first, so no probe allocates much), and eager's own
+refusal, "... not implemented for 'BFloat16'" or a check that names the dtype, becomes the trace's. Any
+other error of the probe (a shape the cut made invalid, a value check on zeros) says nothing about the
+dtype and is ignored. The answer is a property of the torch build, kept per op and dtypes.
 Views are never asked (they run no kernel), nor are ops handed state another kernel made (an RNN
 layer's workspace) or an integer equal to a dimension the cut would change (an RNN's hidden size: the
 two would disagree where no meta kernel checks, and oneDNN aborts the process on such arguments), nor,
@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-PROBED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.complex64, torch.complex128})
+PROBED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.complex32, torch.complex64, torch.complex128})
 PROBE_EDGE = 8  # the longest dimension a probe cuts a large tensor's to
 SMALL_BYTES = 64 << 10  # tensors this small together are probed at their own shapes
 OUTPUT_LIMIT = 8 << 20  # a probe whose outputs would take more is not run
