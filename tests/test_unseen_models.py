@@ -1817,6 +1817,27 @@ def test_a_complex_half_op_without_a_cpu_kernel_fails_the_estimate_as_eager_fail
     assert estimate(workload, fp32, device="cpu").peak_bytes == measure(workload, fp32, device="cpu").measured_peak_bytes
 
 
+class _ComplexProjection(nn.Module):
+    """An LRU's complex input projection (`x.to(B.dtype) @ B.T`): the backward's `grad.mm(mat2.t().conj())`
+    hands the CPU's addmm a conjugated matrix laid out as the result is, which it conjugates into a copy
+    for BLAS (`m1.resolve_conj()`): 4,096 B short in backward for a 16x32 complex B. The gradient of
+    the input (`mat1.t().conj()`, read transposed) needs no copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.re, self.im = nn.Parameter(torch.randn(16, 32)), nn.Parameter(torch.randn(16, 32))
+
+    def forward(self, x):
+        b = torch.complex(self.re, self.im)
+        return (self.inp(x).to(b.dtype) @ b.T).real.square().mean()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_complex_matmul_backward_counts_blas_conjugate_copies(optimizer):
+    _check(lambda batch_size=2: (_ComplexProjection(), (torch.randn(batch_size, 4, 8),)), optimizer=optimizer)
+
+
 def test_the_cli_names_a_missing_cpu_kernel_in_one_line(tmp_path):
     from typer.testing import CliRunner
 
