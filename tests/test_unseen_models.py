@@ -1722,20 +1722,28 @@ class _AntialiasedResize(_OneLayer):
         return F.interpolate(image, size=(3, 3), mode="bilinear", antialias=True).float().sum()
 
 
+def _fails_as_eager_fails(net: type[nn.Module], precision: str, op: str = "aten.", refusal: str = "") -> None:
+    """The CPU step of `net` in `precision`, which eager refuses (with `refusal` in its error) and the fake
+    kernels do not: the estimate fails with eager's own error (its first line), naming the op (`op`: the
+    name's start), and the same step runs in fp32, exactly."""
+    workload = Workload(net.__name__, lambda batch_size=2: (net(), (torch.randn(batch_size, 16),)), 2, {})
+    config = StepConfig(precision=precision, optimizer="sgd", steps=1)
+    with pytest.raises(RuntimeError) as eager:  # the ground truth: the real step on the CPU
+        measure(workload, config, device="cpu")
+    assert refusal in str(eager.value)
+    with pytest.raises(RuntimeError) as estimated:
+        estimate(workload, config, device="cpu")
+    assert str(estimated.value).startswith(op) and str(estimated.value).endswith(str(eager.value).splitlines()[0])
+    fp32 = StepConfig(precision="fp32", optimizer="sgd", steps=1)
+    assert estimate(workload, fp32, device="cpu").peak_bytes == measure(workload, fp32, device="cpu").measured_peak_bytes
+
+
 @pytest.mark.parametrize("net", [_LocalResponseNorm, _Distances, _MultiMargin, _AntialiasedResize])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_ops_without_a_cpu_kernel_for_the_dtype_fail_the_estimate_as_eager_fails(net, precision):
-    """This CPU build has no bf16/fp16 kernel for these ops, which the fake kernels do not know: the
-    estimate for the CPU fails with eager's own error, names the op, and runs in fp32."""
-    workload = Workload(net.__name__, lambda batch_size=2: (net(), (torch.randn(batch_size, 16),)), 2, {})
-    config = StepConfig(precision=precision, optimizer="sgd", steps=1)
-    with pytest.raises(NotImplementedError) as eager:  # the ground truth: the real step on the CPU
-        measure(workload, config, device="cpu")
-    with pytest.raises(NotImplementedError) as estimated:
-        estimate(workload, config, device="cpu")
-    assert str(estimated.value).startswith("aten.") and str(estimated.value).endswith(str(eager.value))
-    fp32 = StepConfig(precision="fp32", optimizer="sgd", steps=1)
-    assert estimate(workload, fp32, device="cpu").peak_bytes == measure(workload, fp32, device="cpu").measured_peak_bytes
+    """This CPU build has no bf16/fp16 kernel for these ops ("... not implemented for 'BFloat16'"), which
+    the fake kernels do not know."""
+    _fails_as_eager_fails(net, precision, refusal="not implemented for")
 
 
 class _Polar(_OneLayer):
@@ -1761,13 +1769,7 @@ def test_kernel_checks_that_name_the_dtype_fail_the_estimate_as_eager_fails(net)
     """Kernels built for the dtype whose checks refuse it ("Expected both inputs to be Half, Float or
     Double tensors but got BFloat16 ...", "expected scalar type BFloat16 but found Float"): eager's
     error, which the fake kernels do not raise, is the estimate's."""
-    workload = Workload(net.__name__, lambda batch_size=2: (net(), (torch.randn(batch_size, 16),)), 2, {})
-    config = StepConfig(precision="bf16", optimizer="sgd", steps=1)
-    with pytest.raises(RuntimeError) as eager:  # the ground truth: the real step on the CPU
-        measure(workload, config, device="cpu")
-    with pytest.raises(NotImplementedError) as estimated:
-        estimate(workload, config, device="cpu")
-    assert str(estimated.value).startswith("aten.") and str(estimated.value).endswith(str(eager.value).splitlines()[0])
+    _fails_as_eager_fails(net, "bf16")
 
 
 class _Spectrogram(_OneLayer):
@@ -1784,15 +1786,7 @@ class _Spectrogram(_OneLayer):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_an_fft_mkl_refuses_for_the_dtype_fails_the_estimate_as_eager_fails(precision):
-    workload = Workload("stft", lambda batch_size=2: (_Spectrogram(), (torch.randn(batch_size, 16),)), 2, {})
-    config = StepConfig(precision=precision, optimizer="sgd", steps=1)
-    with pytest.raises(RuntimeError, match="MKL FFT") as eager:  # the ground truth: the real step on the CPU
-        measure(workload, config, device="cpu")
-    with pytest.raises(RuntimeError) as estimated:
-        estimate(workload, config, device="cpu")
-    assert str(estimated.value).startswith("aten._fft_r2c") and str(estimated.value).endswith(str(eager.value))
-    fp32 = StepConfig(precision="fp32", optimizer="sgd", steps=1)
-    assert estimate(workload, fp32, device="cpu").peak_bytes == measure(workload, fp32, device="cpu").measured_peak_bytes
+    _fails_as_eager_fails(_Spectrogram, precision, op="aten._fft_r2c", refusal="MKL FFT")
 
 
 class _ComplexHalfExp(_OneLayer):
@@ -1806,15 +1800,7 @@ class _ComplexHalfExp(_OneLayer):
 
 
 def test_a_complex_half_op_without_a_cpu_kernel_fails_the_estimate_as_eager_fails():
-    workload = Workload("lru", lambda batch_size=2: (_ComplexHalfExp(), (torch.randn(batch_size, 16),)), 2, {})
-    config = StepConfig(precision="fp16", optimizer="sgd", steps=1)
-    with pytest.raises(NotImplementedError, match="ComplexHalf") as eager:  # the ground truth
-        measure(workload, config, device="cpu")
-    with pytest.raises(NotImplementedError) as estimated:
-        estimate(workload, config, device="cpu")
-    assert str(estimated.value).startswith("aten.exp") and str(estimated.value).endswith(str(eager.value))
-    fp32 = StepConfig(precision="fp32", optimizer="sgd", steps=1)
-    assert estimate(workload, fp32, device="cpu").peak_bytes == measure(workload, fp32, device="cpu").measured_peak_bytes
+    _fails_as_eager_fails(_ComplexHalfExp, "fp16", op="aten.exp", refusal="ComplexHalf")
 
 
 class _ComplexProjection(nn.Module):

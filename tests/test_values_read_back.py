@@ -22,6 +22,12 @@ from memplan.workload import Workload
 PHASES = ("forward", "backward", "optimizer")
 
 
+def _assert_phases_equal(predicted, measured):
+    for phase in PHASES:
+        assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
+                                                                           measured.phase_peaks)
+
+
 def _compare(build, precision="fp32", optimizer="adamw"):
     workload = Workload(build.__name__, build, None, {})
     config = StepConfig(precision=precision, optimizer=optimizer, steps=2)
@@ -54,9 +60,7 @@ def fixed_grid(batch_size: int = 8):
 @pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("bf16", "sgd"), ("amp-bf16", "adamw")])
 def test_a_float_buffers_known_value_sizes_the_loop_as_in_eager(precision, optimizer):
     predicted, measured = _compare(fixed_grid, precision, optimizer)
-    for phase in PHASES:
-        assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
-                                                                           measured.phase_peaks)
+    _assert_phases_equal(predicted, measured)
     assert not predicted.approximate
 
 
@@ -225,9 +229,7 @@ def numpy_indexed(batch_size: int = 4):
 @pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("bf16", "sgd")])
 def test_tensors_over_numpy_memory_allocate_nothing(precision, optimizer):
     predicted, measured = _compare(numpy_indexed, precision, optimizer)
-    for phase in PHASES:
-        assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
-                                                                           measured.phase_peaks)
+    _assert_phases_equal(predicted, measured)
 
 
 class _SafeCholesky(nn.Module):
@@ -405,7 +407,5 @@ def columns_by_attribute(batch_size: int = 64):
 @pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("amp-bf16", "adamw")])
 def test_a_plain_tensor_attributes_known_value_steers_forward_as_in_eager(precision, optimizer):
     predicted, measured = _compare(columns_by_attribute, precision, optimizer)
-    for phase in PHASES:
-        assert predicted.phase_peaks[phase] == measured.phase_peaks[phase], (phase, predicted.phase_peaks,
-                                                                           measured.phase_peaks)
+    _assert_phases_equal(predicted, measured)
     assert not predicted.approximate
