@@ -2647,7 +2647,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
                     recorder.known.keep([buffer], [shadows.values.real[built].to(buffer.dtype)])
         # nothing here may keep a buffer alive through the step: a forward that replaces one
         # (`self.register_buffer(name, new)`, `self.stat = new`) frees the old block in eager
-        del built_buffers, buffers
+        del built_buffers, buffers, held
         buffer = built = value = None
         del shadows
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}
