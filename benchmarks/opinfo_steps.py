@@ -1,6 +1,6 @@
 """Estimate vs the CPU allocator's truth for every differentiable op of PyTorch's OpInfo database.
 
-    python benchmarks/opinfo_steps.py [--precision fp32|bf16] [--ops cumprod,take] [--samples 2]
+    python benchmarks/opinfo_steps.py [--precision fp32|bf16] [--ops cumprod,take] [--samples 2]   # needs expecttest
 
 Each OpInfo sample (float32 samples, cast by the precision) becomes a model: its differentiable
 tensors are the model's parameters, its other tensors buffers, and the loss is the mean square of the
