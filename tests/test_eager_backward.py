@@ -133,3 +133,44 @@ def test_custom_ops_scratch_is_measured(precision, reduction):
     predicted, measured = estimate(workload, config, device="cpu"), measure(workload, config, device="cpu")
     assert predicted.phase_peaks == measured.phase_peaks
     assert predicted.peak_bytes == measured.measured_peak_bytes
+
+
+@torch.library.custom_op("memplan_tests::gated", mutates_args=())
+def gated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A user's extension op: its kernel makes `x @ w` inside, held to the end, which its fake
+    implementation does not."""
+    scores = x @ w
+    return torch.sigmoid(scores) * x
+
+
+@gated.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _gated_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    s = torch.sigmoid(x @ w)
+    inner = (grad * x) * s * (1 - s)
+    return grad * s + inner @ w.t(), x.t() @ inner
+
+
+gated.register_autograd(_gated_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.w = nn.Parameter(torch.randn(64, 64) * 0.1)
+
+    def forward(self, x):
+        return gated(self.fc(x), self.w).square().mean()
+
+
+def test_a_users_custom_op_scratch_is_measured():
+    """The user's op above: 65,520 B short in forward (fp32, a 256x64 batch) before its scratch was probed."""
+    workload = Workload("gated", lambda batch_size=256: (Gated(), (torch.randn(batch_size, 64),)), 256, {})
+    config = StepConfig(precision="fp32", optimizer="adamw", steps=2)
+    predicted, measured = estimate(workload, config, device="cpu"), measure(workload, config, device="cpu")
+    assert predicted.phase_peaks == measured.phase_peaks
