@@ -512,8 +512,10 @@ def test_unfold_backward_of_a_zero_dim_tensor():
 @pytest.mark.parametrize("op, make_args", [
     (aten._upsample_bilinear2d_aa.default, lambda: (randn(4, 3, 16, 16), [9, 9], False, None, None)),
     (aten._upsample_bicubic2d_aa.default, lambda: (randn(4, 3, 8, 8), [13, 11], True, None, None)),
-    (aten._upsample_bilinear2d_aa_backward.default, lambda: (randn(4, 3, 9, 9), [9, 9], [4, 3, 16, 16], False, None, None)),
-], ids=["bilinear-down", "bicubic-up", "bilinear-backward"])
+    # a gradient laid out otherwise (transposed) is copied first; a row-major one needs nothing
+    (aten._upsample_bilinear2d_aa_backward.default,
+     lambda: (randn(4, 3, 9, 9).transpose(2, 3), [9, 9], [4, 3, 16, 16], False, None, None)),
+], ids=["bilinear-down", "bicubic-up", "bilinear-backward-transposed"])
 def test_antialiased_interpolation(op, make_args):
     """The separable kernels' index and weight buffers, and the intermediate between the two passes."""
     check(op, make_args)
