@@ -12,8 +12,10 @@ other error of the probe (a shape the cut made invalid, a value check on zeros) 
 dtype and is ignored. The answer is a property of the torch build, kept per op and dtypes.
 Views are never asked (they run no kernel), nor are ops handed state another kernel made (an RNN
 layer's workspace) or an integer equal to a dimension the cut would change (an RNN's hidden size: the
-two would disagree where no meta kernel checks, and oneDNN aborts the process on such arguments), nor,
-by the tracer, backward ops (see trace._Recorder).
+two would disagree where no meta kernel checks, and oneDNN aborts the process on such arguments).
+Backward ops are asked too: some kernels have a dtype only in forward (pdist's of an empty batch). An
+empty tensor is asked apart from a full one, since kernels often return on one before their dtype
+dispatch (bf16 `det` of a 0 x 0 matrix runs, of a 2 x 2 one is refused).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ OUTPUT_LIMIT = 8 << 20  # a probe whose outputs would take more is not run
 # eager's refusal of the dtypes: a kernel not built for them, or a check that names one of them ("Expected
 # both inputs to be Half, Float or Double tensors but got BFloat16 and BFloat16": torch.complex, polar;
 # "MKL FFT doesn't support tensors of type: BFloat16": torch.stft, whose `_fft_r2c` skips the dtype check
-# `torch.fft.rfft` makes first)
-REFUSAL = re.compile(r"not implemented for '\w+'|\b(BFloat16|Half|ComplexHalf|ComplexFloat|ComplexDouble)\b")
+# `torch.fft.rfft` makes first; "... same type as tensor for argument #1 'per_sample_weights'; but type
+# CPUBFloat16Type does not equal torch.FloatTensor": embedding_bag's weights beside float32 sample weights)
+REFUSAL = re.compile(r"not implemented for '\w+'"
+                     r"|(?:\b|CPU)(BFloat16|Half|ComplexHalf|ComplexFloat|ComplexDouble)(?:\b|Type)")
 
 _answers: dict[tuple, str | None] = {}
 
@@ -45,7 +49,7 @@ def missing_cpu_kernel(func: Any, args: tuple, kwargs: dict) -> str | None:
     if (func.namespace != "aten" or func.is_view or _takes_state(func) or not any(t.dtype in PROBED_DTYPES for t in tensors)
             or any(t.layout is not torch.strided or t.device.type != "cpu" for t in tensors)):
         return None
-    key = (func, tuple((t.dtype, t.dim()) for t in tensors))
+    key = (func, tuple((t.dtype, t.dim(), t.numel() == 0) for t in tensors))
     if key not in _answers:
         _answers[key] = _probe(func, args, kwargs, tensors)
     return _answers[key]

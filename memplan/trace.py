@@ -575,9 +575,7 @@ class _Recorder(TorchDispatchMode):
         refusal = _EAGER_REFUSALS[func](args, kwargs, inputs) if func in _EAGER_REFUSALS else None
         if refusal:
             raise RuntimeError(f"{func}: {refusal}")
-        # forward and optimizer ops: a backward kernel's inputs include what its forward made, which zeros
-        # do not stand in for, and a dtype without a forward kernel fails the forward first
-        missing = self.rules.missing_kernel(func, args, kwargs) if self.phase != "backward" else None
+        missing = self.rules.missing_kernel(func, args, kwargs)
         if missing:
             raise NotImplementedError(f"{func}: {missing}")
         self._alias_conversions(inputs)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import memplan.cpu_kernels
 from memplan.emit import apply_plan
 from memplan.estimate import estimate
 from memplan.plan import Plan, Segment
@@ -1746,6 +1747,54 @@ def test_ops_without_a_cpu_kernel_for_the_dtype_fail_the_estimate_as_eager_fails
     _fails_as_eager_fails(net, precision, refusal="not implemented for")
 
 
+class _PairwiseDistances(_OneLayer):
+    def forward(self, x):  # of one row: no pair, so no forward kernel runs; the backward's refuses the dtype
+        return F.pdist(self.fc(x)[:1]).float().sum()
+
+
+class _SampleWeightedBag(_OneLayer):
+    def forward(self, x):  # float32 sample weights beside the bf16 layer's weight as the table
+        ids = torch.arange(6).reshape(2, 3)
+        return F.embedding_bag(ids, self.fc.weight, mode="sum", per_sample_weights=torch.ones(2, 3)).float().sum()
+
+
+@pytest.mark.parametrize("net", [_PairwiseDistances])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_backward_kernels_without_the_dtype_fail_the_estimate_as_eager_fails(net, precision):
+    """A step whose forward runs in the dtype and whose backward kernel refuses it ("pdist_backward" not
+    implemented for 'BFloat16'): the backward ops are asked too (they were not, and the estimate ran on)."""
+    _fails_as_eager_fails(net, precision, refusal="not implemented for")
+
+
+def test_a_kernel_asked_about_an_empty_tensor_is_asked_again_about_a_full_one():
+    """An empty input returns before the kernel's dtype dispatch (eager's bf16 det of a 0 x 0 matrix
+    runs; of a 2 x 2 one, "lu_cpu" not implemented for 'BFloat16'). The answer about one is not the
+    answer about the other, in either order."""
+    def workload(edge: int) -> Workload:
+        class Det(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = nn.Parameter(torch.eye(edge).repeat(2, 1, 1) + 0.5)
+
+            def forward(self, x):
+                return torch.linalg.det(self.m).float().sum() + x.sum()
+
+        return Workload(f"det{edge}", lambda batch_size=2: (Det(), (torch.randn(batch_size, 4),)), 2, {})
+
+    config = StepConfig(precision="bf16", optimizer="sgd", steps=1)
+    for edges in ((0, 2), (2, 0)):
+        memplan.cpu_kernels._answers.clear()  # a fresh process's answers
+        for edge in edges:
+            if edge == 0:  # eager runs it, and so does the estimate
+                measure(workload(edge), config, device="cpu")
+                estimate(workload(edge), config, device="cpu")
+            else:
+                with pytest.raises(RuntimeError, match="not implemented for 'BFloat16'"):
+                    measure(workload(edge), config, device="cpu")
+                with pytest.raises(NotImplementedError, match="not implemented for 'BFloat16'"):
+                    estimate(workload(edge), config, device="cpu")
+
+
 class _Polar(_OneLayer):
     def forward(self, x):
         h = self.fc(x)
@@ -1764,11 +1813,12 @@ class _WeightedNll(_OneLayer):
                           weight=torch.ones(16)).float()
 
 
-@pytest.mark.parametrize("net", [_Polar, _ComplexPairs, _WeightedNll])
+@pytest.mark.parametrize("net", [_Polar, _ComplexPairs, _WeightedNll, _SampleWeightedBag])
 def test_kernel_checks_that_name_the_dtype_fail_the_estimate_as_eager_fails(net):
     """Kernels built for the dtype whose checks refuse it ("Expected both inputs to be Half, Float or
-    Double tensors but got BFloat16 ...", "expected scalar type BFloat16 but found Float"): eager's
-    error, which the fake kernels do not raise, is the estimate's."""
+    Double tensors but got BFloat16 ...", "expected scalar type BFloat16 but found Float", "... but type
+    CPUBFloat16Type does not equal torch.FloatTensor"): eager's error, which the fake kernels do not raise,
+    is the estimate's."""
     _fails_as_eager_fails(net, "bf16")
 
 
