@@ -1944,3 +1944,27 @@ def test_a_transposed_3d_convolution_that_narrows_keeps_its_input_sized_storage(
         _check(transposed_3d_head, optimizer="sgd", steps=1)
     finally:
         torch.set_num_threads(saved)
+
+
+def drawn_parameter_then_moved(batch_size: int = 2):
+    """`nn.Parameter(torch.randn(n))` then `self.to(device)` in `__init__` (imagen-pytorch's Imagen,
+    with its LearnedSinusoidalPosEmb's weights): the factory's lineage of draws keys the parameter by a
+    weak reference, and the swap that converts a fake parameter refused it ("Couldn't swap
+    Net.w"), so the build failed."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16))
+            self.lin = nn.Linear(16, 4)
+            self.to(next(self.parameters()).device)
+
+        def forward(self, x):
+            return self.lin(x * self.w).sum()
+
+    return Net(), (torch.randn(batch_size, 16),)
+
+
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("bf16", "sgd-momentum")])
+def test_a_drawn_parameter_moved_in_init_builds(precision, optimizer):
+    _check(drawn_parameter_then_moved, precision, optimizer)
