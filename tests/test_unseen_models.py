@@ -1968,3 +1968,38 @@ def drawn_parameter_then_moved(batch_size: int = 2):
 @pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw"), ("bf16", "sgd-momentum")])
 def test_a_drawn_parameter_moved_in_init_builds(precision, optimizer):
     _check(drawn_parameter_then_moved, precision, optimizer)
+
+
+class _ParametersHeldElsewhereToo(nn.Module):
+    """torchrl's losses keep the networks' parameters in a TensorDictParams and load them into the
+    network at each call; pyro keeps AutoNormal's in its parameter store. The step's conversion made
+    new Parameter objects even where it cast nothing (fp32 on the CPU): the optimizer held those, the
+    forward the originals, so no gradient reached the optimizer and no state was made (torchrl's PPO:
+    0 of 10 parameters had a gradient; pyro's AutoNormal: 2 of 6), in the estimate and the measured step
+    alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.held = [self.lin.weight, self.lin.bias]
+
+    def forward(self, x):
+        return F.linear(x, *self.held).square().mean()
+
+
+def parameters_held_elsewhere_too(batch_size: int = 2):
+    return _ParametersHeldElsewhereToo(), (torch.randn(batch_size, 16),)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_parameters_held_elsewhere_too_get_their_gradients(precision):
+    from memplan.step import loss_of, prepare_step
+
+    model, inputs = parameters_held_elsewhere_too()
+    prepared = prepare_step(model, inputs, StepConfig(precision=precision, optimizer="adamw"), "cpu")
+    loss_of(prepared.model(*prepared.inputs)).backward()
+    params = [p for group in prepared.optimizer.param_groups for p in group["params"]]
+    assert params and all(p.grad is not None for p in params)
+    predicted, _ = _check(parameters_held_elsewhere_too, precision)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert predicted.phase_peaks["optimizer"] >= 4 * weights  # weights, gradients, AdamW's two moments
