@@ -179,8 +179,11 @@ def test_constant_shadows_follow_in_place_writes():
         x.mul_(2)
         assert view[0].item() == 4.0  # a deterministic write updates the shadows of views too
         x.normal_()
-        with pytest.raises(Exception):  # noqa: B017 - random values are unknown: data-dependent again
-            view[0].item()
+        # random values are unknown again: not the stale 8.0; a float reads as the step reads it (1.0)
+        assert view[0].item() == 1.0
+        counts = (view * 10).to(torch.int64)
+        with pytest.raises(Exception):  # noqa: B017 - an unknown integer, which may size things: data-dependent
+            counts[0].item()
 
 
 def mask_indexed_while_building(batch_size: int = 2):
@@ -226,8 +229,9 @@ def test_unknown_predicates_read_their_typical_value_while_building():
         x = torch.empty(8).normal_()
         assert not (x > 1e6).any()  # "none flagged": a rejection loop ends
         assert (x < 1e6).all()
-        with pytest.raises(Exception):  # noqa: B017 - any other unknown value is still data-dependent
-            x.sum().item()
+        assert x.sum().item() == 1.0  # any other unknown float reads as the step reads it
+        with pytest.raises(Exception):  # noqa: B017 - an unknown integer is still data-dependent
+            (x * 10).to(torch.int64).sum().item()
 
 
 class _WidthsByUnique(nn.Module):
@@ -296,17 +300,23 @@ def test_a_constant_sampled_in_the_factory_is_read_back_as_a_real_build_reads_it
 
 def test_a_value_written_in_place_after_it_was_made_stays_unknown():
     """An operand changed after an op read it (or a value made uninitialized) has no lineage: reading
-    such a value back still fails as data-dependent, rather than replaying ops that no longer make it."""
+    such a value back does not replay ops that no longer make it: an integer fails as data-dependent, a
+    float reads as the step reads an unknown float (1.0)."""
     from memplan import trace
     with FakeTensorMode(allow_non_fake_inputs=True), trace._ConstantShadows():
         z = torch.randn(1 << 15, generator=torch.Generator().manual_seed(0))
         s = z.sum()
-        assert isinstance(s.item(), float)
+        n = (z * 10).to(torch.int64).sum()
+        replayed = s.item()
+        assert isinstance(replayed, float) and replayed != 1.0
+        assert isinstance(n.item(), int)
         z.mul_(2)
+        assert s.item() == 1.0  # not replayed: read as an unknown float, as the step reads it
+        with pytest.raises(Exception):  # noqa: B017 - an unknown integer
+            n.item()
+        assert torch.empty(1 << 15).sum().item() == 1.0
         with pytest.raises(Exception):  # noqa: B017
-            s.item()
-        with pytest.raises(Exception):  # noqa: B017
-            torch.empty(1 << 15).sum().item()
+            torch.empty(1 << 15, dtype=torch.int64).sum().item()
 
 
 # --------------------------------------------------------------------------------------------------
