@@ -184,7 +184,10 @@ def convert_module(model: nn.Module, device: torch.device, precision: Precision)
     parameters). Tied parameters stay tied; integer buffers keep their dtype. Each original is kept
     until the end, so its id is not reused: a module that registers a new Parameter while its modules
     are listed (peft's LoRA nn.MultiheadAttention, in named_modules) would otherwise be handed the
-    conversion of one already replaced, another weight."""
+    conversion of one already replaced, another weight. A tensor the conversion leaves as it is (fp32 on
+    the CPU) stays the same object, as under `Module.to()`: a library that holds the model's parameters
+    elsewhere too (torchrl's losses keep them in a TensorDictParams and load them into the network at
+    each call) trained copies the optimizer did not hold, so no gradient reached it."""
     converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original) -> (original, converted)
 
     def convert(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +195,7 @@ def convert_module(model: nn.Module, device: torch.device, precision: Precision)
             target = dtype if tensor.is_floating_point() else tensor.dtype
             with torch.no_grad():
                 new = tensor.to(device=device, dtype=target)
-            if isinstance(tensor, nn.Parameter):
+            if isinstance(tensor, nn.Parameter) and new is not tensor:
                 new = nn.Parameter(new, requires_grad=tensor.requires_grad)
             converted[id(tensor)] = (tensor, new)
         return converted[id(tensor)][1]

@@ -1531,8 +1531,11 @@ def _foreign_dispatch_modes() -> bool:
 # A whole-tensor predicate over values no one can know while building (random init), read back by the
 # factory: its typical answer. nn.init.trunc_normal_ rejection-samples (torch 2.13: `while True: mask =
 # (w < a) | (w > b); if not mask.any(): break`); "none out of range" ends the loop, as it almost always
-# does at the first draw for real. Any other unknown value still raises.
-_TYPICAL_PREDICATES = {torch.ops.aten.any.default: False, torch.ops.aten.all.default: True}
+# does at the first draw for real. torch.distributions validates its arguments by `_is_all_true` over a
+# constraint's test (pyro's AutoNormal runs the model once while the factory builds: `Normal(mean, 0.1)`
+# over a random Linear's output); the check passes, as for real. Any other unknown value still raises.
+_TYPICAL_PREDICATES = {torch.ops.aten.any.default: False, torch.ops.aten.all.default: True,
+                       torch.ops.aten._is_any_true.default: False, torch.ops.aten._is_all_true.default: True}
 
 
 # The median of a random op's distribution, by op. A single draw reads as it, so a comparison with the
@@ -2193,6 +2196,12 @@ class _ConstantShadows(TorchDispatchMode):
             if real is not None:  # a constant made by sampling (e3nn's normalize2mom): as the ops that made it say
                 with _disable_current_modes():
                     return real.item()
+            if args[0].is_floating_point():
+                # a factory that runs the model once to set it up (pyro's AutoNormal traces the model
+                # and guide, and Trace_ELBO reads each site's log-probability back with `.item()`): an
+                # unknown float reads as the step's recorder reads it (1.0); integers, which size
+                # things, still raise
+                return 1.0
         states = self.lineage.states(func, args, kwargs)
         if func in (torch.ops.aten.allclose.default, torch.ops.aten.equal.default):
             # a check of values made at random (parametrizations.orthogonal's right_inverse): it passes
@@ -2524,7 +2533,10 @@ def _fake_parameters_swap(*tables: Any) -> Iterator[None]:
     tensor an op returns has one: FakeTensorMode memoizes op outputs in a WeakValueDictionary
     (`FakeTensorConverter.from_meta_and_device` -> `tensor_memo`), and `nn.Parameter(fake)` is such
     an output (its `detach`). So under fake tensors any module conversion raised "Couldn't swap",
-    for every model. `tables` are memplan's own tables keyed weakly by tensor (`_ConstantShadows`).
+    for every model. `tables` are memplan's own tables keyed weakly by tensor (`_ConstantShadows`: its
+    known values, its guessed predicates, and its lineage, which keys every tensor the factory draws:
+    `nn.Parameter(torch.randn(n))` then `self.to(device)` in `__init__`, as imagen-pytorch's Imagen
+    does, raised "Couldn't swap" while the lineage was left out).
 
     Before the swap, the mode's memo entries for the two tensors are dropped (their keys are meta
     tensors gone after the op, or a real tensor whose fake the swap changes: converting it again
@@ -2615,7 +2627,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
     calls: list[ModuleCall] = []
     shadows = _ConstantShadows()
     with model_caches_emptied_after(), _StorageKeepingFakeMode(allow_non_fake_inputs=True), _deepcopy_shares_fake_mode(), \
-            _fake_parameters_swap(shadows.values.real, shadows.guessed), _lazy_parameters_real():
+            _fake_parameters_swap(shadows.values.real, shadows.guessed, shadows.lineage.made), _lazy_parameters_real():
         with shadows, _Rewrites(_FACTORY_REWRITES):
             model, inputs = workload.build()
         if transform is not None:

@@ -409,3 +409,46 @@ def test_a_plain_tensor_attributes_known_value_steers_forward_as_in_eager(precis
     predicted, measured = _compare(columns_by_attribute, precision, optimizer)
     _assert_phases_equal(predicted, measured)
     assert not predicted.approximate
+
+
+class _SetUpByARun(nn.Module):
+    """A factory that runs the model once to set it up (pyro's AutoNormal traces the model while the
+    factory builds it): torch.distributions validates `Normal(mean, 1.0)` by `torch._is_all_true` over a
+    constraint's test, and the loss is read back as a float for the log (pyro's Trace_ELBO: `.item()` of
+    each site's log-probability), both over a random Linear's output, which no build can know. Both
+    failed the build (DataDependentOutputException: aten._local_scalar_dense.default)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+        self.scale = None
+
+    def forward(self, x, y):
+        mean = self.lin(x)
+        if self.scale is None:  # set up on the first call, as AutoNormal's prototype trace
+            self.scale = nn.Parameter(torch.ones(8))
+        loss = -torch.distributions.Normal(mean, self.scale.abs() + 0.1).log_prob(y).sum()
+        self.logged = float(loss.detach().item())
+        return loss
+
+
+def set_up_by_a_run(batch_size: int = 4):
+    model = _SetUpByARun()
+    x, y = torch.randn(batch_size, 16), torch.randn(batch_size, 8)
+    model(x, y)
+    return model, (x, y)
+
+
+def test_a_factory_that_runs_the_model_reads_its_checks_and_floats_as_the_step_does():
+    predicted, measured = _compare(set_up_by_a_run)
+    _assert_phases_equal(predicted, measured)
+
+
+def test_an_unknown_integer_read_while_building_still_fails():
+    def sized_by_an_unknown_count(batch_size: int = 2):
+        first = nn.Linear(16, 16)  # initialised in place: no lineage replays its values
+        width = int((first.weight > 0).sum().item())  # a size no build can know
+        return nn.Sequential(first, nn.Linear(16, width)), (torch.randn(batch_size, 16),)
+
+    with pytest.raises(BadInput, match="DataDependentOutputException"):
+        _compare(sized_by_an_unknown_count)
