@@ -1337,7 +1337,10 @@ class _SavedWrappedNumbers(torch.overrides.TorchFunctionMode):
                 # `data` is the tensor saved as it is, None for one a hook packed (reading it
                 # unpacks nothing: a checkpointed segment is not recomputed)
                 value = getattr(saved, "data", None)
+                # (a meta one is an operand's stand-in (`_numbers_saved_outside_a_view`): a tensor the
+                # step holds already, as `x[..., 0::2] /= size[1]` saves `size[1]`, no number of its own)
                 if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0 \
+                        and value.device.type != "meta" \
                         and not torch._C._functorch.is_functorch_wrapped_tensor(value):  # (inside torch.func.grad)
                     yield value
 
@@ -1579,6 +1582,14 @@ _ELEMENT_MOVES = {getattr(torch.ops.aten, name) for name in (
     "squeeze", "unsqueeze", "alias", "clone", "_to_copy", "detach", "copy_", "copy", "index", "index_put_",
     "index_put", "flatten", "contiguous", "lift_fresh", "fill_", "fill", "masked_fill_", "masked_fill")}
 
+
+# ops that move elements without combining them, through which a tensor known in part keeps the part
+# known (`_RealValues.partial`): `targets = torch.cat((batch_idx, cls, boxes), 1)` over a known image index
+# and unknown boxes, then `targets[:, 0]`, a detector's loss counting its objects per image
+_PARTIAL_MOVES = {getattr(torch.ops.aten, name) for name in (
+    "cat", "stack", "select", "unbind", "slice", "narrow", "split", "split_with_sizes", "view", "_unsafe_view",
+    "reshape", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze", "alias", "clone", "_to_copy",
+    "detach", "flatten", "contiguous", "lift_fresh")}
 
 # ops that pick positions by comparing values (a router's top-k experts, Switch Transformers' argmax): over
 # values no one knows, their indices are drawn as over independent uniform values, so the selections that
@@ -1880,6 +1891,10 @@ class _RealValues:
         # median) and of what pointwise ops and element moves make of them: read back one element at a
         # time only (`_Recorder._scalar`), never as a whole (see `_per_element`)
         self.elements: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # fake -> (values, known): a tensor whose values are known in part only (a concatenation of known and
+        # unknown tensors, and what element moves and pointwise ops make of it), the unknown elements zero
+        # in `values`; a part cut from it that is known whole becomes known (`real`, see `_partial`)
+        self.partial: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
         # generator -> (its state before this build's latest run of draws from it, the state they left it in)
         self.drawn: dict[torch.Generator, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -2011,6 +2026,63 @@ class _RealValues:
                 self.elements[fake] = real
         return True
 
+    def _partial(self, func: Any, args: tuple, kwargs: dict, flat_out: list[Any]) -> None:
+        """Keep what is known of the outputs of an element move (`_PARTIAL_MOVES`) or a pointwise op whose
+        operands are known, known in part (`partial`) or, for a concatenation, unknown: the known elements'
+        values, and each output known whole is known (`real`). A pointwise op knows an element where each
+        operand knows the one it reads; a move moves the operands' known-masks as it moves their values."""
+        pointwise = torch.Tag.pointwise in func.tags
+        if func._overloadpacket not in _PARTIAL_MOVES and not pointwise:
+            return
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [v for v in flat if isinstance(v, FakeTensor)]
+        if not any(v in self.partial for v in tensors):
+            if func._overloadpacket not in (torch.ops.aten.cat, torch.ops.aten.stack) \
+                    or not any(v in self.real for v in tensors):
+                return
+        elif any(v not in self.real and v not in self.partial for v in tensors) \
+                and func._overloadpacket not in (torch.ops.aten.cat, torch.ops.aten.stack):
+            return
+        with _disable_current_modes():
+            values, masks = [], []
+            for v in flat:
+                if not isinstance(v, FakeTensor):
+                    values.append(v)
+                    masks.append(v)
+                elif v in self.real:
+                    values.append(self.real[v])
+                    masks.append(torch.ones(v.shape, dtype=torch.bool))
+                elif v in self.partial:
+                    values.append(self.partial[v][0])
+                    masks.append(self.partial[v][1])
+                else:  # (a concatenation's unknown part)
+                    values.append(torch.zeros(v.shape, dtype=v.dtype))
+                    masks.append(torch.zeros(v.shape, dtype=torch.bool))
+            try:
+                real_args, real_kwargs = tree_unflatten(values, spec)
+                real_out = tree_flatten(func(*real_args, **real_kwargs))[0]
+                if pointwise:
+                    out_masks = [functools.reduce(torch.logical_and, [m for v, m in zip(flat, masks)
+                                                                      if isinstance(v, FakeTensor)])]
+                else:
+                    mask_args, mask_kwargs = tree_unflatten(masks, spec)
+                    mask_kwargs = {k: v for k, v in mask_kwargs.items() if k != "dtype"}
+                    out_masks = tree_flatten(func(*mask_args, **mask_kwargs))[0]
+            except Exception:  # noqa: BLE001 - nothing known, no harm: the values stay unknown
+                return
+            outputs = [(f, r) for f, r in zip(flat_out, real_out) if isinstance(f, FakeTensor)]
+            if len(out_masks) == 1 and len(outputs) > 1:
+                return
+            for (fake, real), mask in zip(outputs, out_masks):
+                if not isinstance(real, torch.Tensor) or real.shape != fake.shape or real.dtype != fake.dtype:
+                    continue
+                mask = mask.to(torch.bool).broadcast_to(fake.shape)
+                if bool(mask.all()):
+                    self.keep([fake], [real])
+                elif bool(mask.any()):
+                    self.partial[fake] = (real, mask)
+                    self.storages.add(fake.untyped_storage())
+
     def typical_source(self, values: Any) -> str | None:
         """The selection whose draw the first of `values` (flattened) known from one rests on."""
         return next((self.typical[t] for t in tree_flatten(values)[0] if isinstance(t, FakeTensor) and t in self.typical),
@@ -2043,6 +2115,8 @@ class _RealValues:
             if storage in self.storages:
                 for key in [k for k in self.real if k.untyped_storage() is storage]:
                     del self.real[key]
+                for key in [k for k in self.partial if k.untyped_storage() is storage]:
+                    del self.partial[key]
 
     def run(self, func: Any, args: tuple, kwargs: dict, flat_out: list[Any], written: list[torch.Tensor]) -> None:
         """After the fake op ran (its outputs flattened): keep their real values if they can be known."""
@@ -2071,6 +2145,8 @@ class _RealValues:
         if real_out is None:
             if written and self.storages:
                 self.forget(written)
+            if not written and outputs and all(self.keeps(t) for t in outputs):
+                self._partial(func, args, kwargs, flat_out)
         else:
             self.keep(flat_out, tree_flatten(real_out)[0], typical)
 
