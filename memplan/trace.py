@@ -420,6 +420,9 @@ def _as_eager_views(func: Any, args: tuple, out: Any) -> Any:
     return torch.ops.aten.as_strided.default(out, out.shape, strides, out.storage_offset())
 
 
+# what an unknown floating-point value reads as, while building and in the step: it changes no shape
+UNKNOWN_FLOAT = 1.0
+
 # Unknown values read back at one line of the program within one module call (a loop) before the
 # estimate gives up: a loop that runs until a value says stop (an adaptive ODE solver: `while t < t1`,
 # with `t` advanced by a step whose size comes from an error estimate; zuko's CNF rejecting every step
@@ -818,7 +821,7 @@ class _Recorder(TorchDispatchMode):
         if tensor.dtype == torch.bool:
             return True
         if tensor.is_floating_point():
-            return 1.0
+            return UNKNOWN_FLOAT
         self.unknown_integers += 1
         return 1
 
@@ -1583,13 +1586,15 @@ _ELEMENT_MOVES = {getattr(torch.ops.aten, name) for name in (
     "index_put", "flatten", "contiguous", "lift_fresh", "fill_", "fill", "masked_fill_", "masked_fill")}
 
 
-# ops that move elements without combining them, through which a tensor known in part keeps the part
-# known (`_RealValues.partial`): `targets = torch.cat((batch_idx, cls, boxes), 1)` over a known image index
-# and unknown boxes, then `targets[:, 0]`, a detector's loss counting its objects per image
-_PARTIAL_MOVES = {getattr(torch.ops.aten, name) for name in (
-    "cat", "stack", "select", "unbind", "slice", "narrow", "split", "split_with_sizes", "view", "_unsafe_view",
-    "reshape", "expand", "permute", "transpose", "t", "squeeze", "unsqueeze", "alias", "clone", "_to_copy",
-    "detach", "flatten", "contiguous", "lift_fresh")}
+# ops that join tensors (their unknown operands are data too), through which a tensor known in part keeps
+# the part known (`_RealValues.partial`): `targets = torch.cat((batch_idx, cls, boxes), 1)` over a known
+# image index and unknown boxes, then `targets[:, 0]`, a detector's loss counting its objects per image
+_JOINS = {torch.ops.aten.cat, torch.ops.aten.stack}
+# and the element moves whose every tensor operand is data (no indices, no fill values or sources written
+# in, which the known-masks would stand in for), with the splits
+_PARTIAL_MOVES = _JOINS | {getattr(torch.ops.aten, name) for name in ("narrow", "split", "split_with_sizes")} | (
+    _ELEMENT_MOVES - {getattr(torch.ops.aten, name) for name in (
+        "copy_", "copy", "index", "index_put_", "index_put", "fill_", "fill", "masked_fill_", "masked_fill")})
 
 # ops that pick positions by comparing values (a router's top-k experts, Switch Transformers' argmax): over
 # values no one knows, their indices are drawn as over independent uniform values, so the selections that
@@ -2036,12 +2041,10 @@ class _RealValues:
             return
         flat, spec = tree_flatten((args, kwargs))
         tensors = [v for v in flat if isinstance(v, FakeTensor)]
-        if not any(v in self.partial for v in tensors):
-            if func._overloadpacket not in (torch.ops.aten.cat, torch.ops.aten.stack) \
-                    or not any(v in self.real for v in tensors):
-                return
-        elif any(v not in self.real and v not in self.partial for v in tensors) \
-                and func._overloadpacket not in (torch.ops.aten.cat, torch.ops.aten.stack):
+        joins = func._overloadpacket in _JOINS  # a join may take unknown operands; other ops, none
+        if not any(v in self.partial for v in tensors) and not (joins and any(v in self.real for v in tensors)):
+            return
+        if not joins and not all(v in self.real or v in self.partial for v in tensors):
             return
         with _disable_current_modes():
             values, masks = [], []
@@ -2275,9 +2278,9 @@ class _ConstantShadows(TorchDispatchMode):
             if args[0].is_floating_point():
                 # a factory that runs the model once to set it up (pyro's AutoNormal traces the model
                 # and guide, and Trace_ELBO reads each site's log-probability back with `.item()`): an
-                # unknown float reads as the step's recorder reads it (1.0); integers, which size
-                # things, still raise
-                return 1.0
+                # unknown float reads as the step's recorder reads it (UNKNOWN_FLOAT); integers, which
+                # size things, still raise
+                return UNKNOWN_FLOAT
         states = self.lineage.states(func, args, kwargs)
         if func in (torch.ops.aten.allclose.default, torch.ops.aten.equal.default):
             # a check of values made at random (parametrizations.orthogonal's right_inverse): it passes
