@@ -310,8 +310,12 @@ class Trace:
     module_types: dict[str, str]  # path -> class name, for every submodule
     approximate_ops: tuple[str, ...]  # ops whose data-dependent results were assumed (see policy)
     # op index -> tensors autograd saved (each passes the saved-tensor hooks once), counted at the op
-    # recorded last when they were saved: the op itself or a helper op it ran. Sum over op ranges.
+    # recorded last when they were saved: an op's outputs at itself (or a helper op it ran), its inputs,
+    # saved before it runs, at the op before it. Sum over op ranges.
     saved_tensors: dict[int, int] = field(default_factory=dict)
+    # op index -> the clock of ModuleCall.opened and .closed at the first of those saves: a save counted
+    # at a module's last op is that op's (an output, before the module closes) or the next op's (an input)
+    first_save_clock: dict[int, int] = field(default_factory=dict)
     # storage id -> when autograd saved it through the saved-tensor hooks, by the clock of
     # ModuleCall.opened and .closed: a checkpoint around the call saving it would drop and recompute it
     saved_at: dict[int, tuple[int, ...]] = field(default_factory=dict)
@@ -483,6 +487,7 @@ class _Recorder(TorchDispatchMode):
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
         self.saved_tensors: Counter[int] = Counter()  # op index -> tensors autograd saved for it
+        self.first_save_clock: dict[int, int] = {}  # op index -> module_hooks at the first of them
         self.module_hooks = 0  # module hooks run so far: the clock of ModuleCall.opened and .closed
         self.saved_at: dict[int, set[int]] = defaultdict(set)  # storage id -> module_hooks when saved
         # autograd's sequence number when each op reached the tracer (below autograd: its node is made)
@@ -2752,8 +2757,9 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             recorder.begin_phase(phase, step)
 
         def mark_saved(tensor: torch.Tensor) -> torch.Tensor:
-            if recorder.ops:  # autograd saves an op's tensors right after it runs: count them near it
+            if recorder.ops:  # autograd saves an op's inputs before it runs, its outputs after: count them near it
                 recorder.saved_tensors[len(recorder.ops) - 1] += 1
+                recorder.first_save_clock.setdefault(len(recorder.ops) - 1, recorder.module_hooks)
             for sid in (recorder.ids.get(s) for s in recorder.storages_of([tensor])):
                 if sid is None:
                     continue
@@ -2789,6 +2795,7 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         module_types=module_types,
         approximate_ops=tuple(dict.fromkeys(recorder.approximate)),
         saved_tensors=dict(recorder.saved_tensors),
+        first_save_clock=recorder.first_save_clock,
         saved_at={sid: tuple(sorted(times)) for sid, times in recorder.saved_at.items()},
         parameters=parameters,
     )

@@ -607,3 +607,81 @@ def test_on_cuda_the_gpu_priced_on_is_the_gpu_estimated():
     assert result.plan.feasible
     assert result.plan.predicted_peak_bytes == estimate(
         workload, config, "cuda", gpu=card, transform=lambda m: apply_plan(m, result.plan)).peak_bytes
+
+
+class _Ffn(nn.Module):
+    """Ends in a Linear: its matmul saves only its input, before it runs."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+
+class _Gated(nn.Module):
+    """Ends in a product that saves both operands, one of them its Linear's output."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.value, self.gate = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.value(x)
+
+
+class _EndsInTanh(nn.Module):
+    """Ends in an op that saves its output, after it runs."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+def _early_stop_chain(batch_size: int = 16) -> tuple[nn.Module, tuple]:
+    chain = nn.Sequential(_Ffn(), _Ffn(), _Gated(), _EndsInTanh(), _Ffn())
+    return chain, (torch.randn(batch_size, 8, 32),)
+
+
+def _recomputed_flops(model: nn.Module, inputs: tuple, index: int) -> int:
+    """FLOPs torch.utils.flop_counter counts in a real step with block `index` checkpointed, less those of
+    the step without."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def step(wrapped: bool) -> int:
+        block = model[index]
+        original = block.forward
+        if wrapped:
+            block.forward = lambda x: checkpoint(original, x, use_reentrant=False)
+        try:
+            with FlopCounterMode(display=False) as counter:
+                model(*inputs).sum().backward()
+        finally:
+            block.forward = original
+        return counter.get_total_flops()
+
+    return step(True) - step(False)
+
+
+def test_full_recompute_is_priced_up_to_the_checkpoint_early_stop():
+    """Non-reentrant checkpointing recomputes a segment's forward only up to the last tensor it saved
+    for backward: a block ending in a Linear (whose matmul saves its input before it runs) does not run
+    that matmul again, one whose Linear feeds a product or a tanh does. Each block's full-recompute
+    FLOPs equal what torch's flop counter counts in real steps with it checkpointed, and no op past the
+    early stop is offered to a save policy (keeping it would hold its output and save nothing)."""
+    model, inputs = _early_stop_chain()
+    workload = Workload("early_stop_chain", _early_stop_chain, 16, {})
+    _, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    _, profiles = profile_blocks(trace, "cpu", time_model(GPU), "flops")
+    full = {p.path: next(q.flops for q in p.policies if q.name == "full") for p in profiles}
+    measured = {str(i): _recomputed_flops(model, inputs, i) for i in range(len(model))}
+    assert full == measured
+    assert measured["0"] < sum(op.flops for op in trace.ops if op.module.startswith("0.") and op.phase == "forward"
+                               and op.step == 0)  # the early stop spares something
+    offered = {c.module for p in profiles for c in p.calls}
+    assert "0.down" not in offered and "2.value" in offered
