@@ -2711,7 +2711,6 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
-        built_buffers = dict(model.named_buffers())  # before the precision converts them
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
         recorder.sparse.parts.update(shadows.sparse.parts)
@@ -2727,17 +2726,12 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         held = [*_input_tensors(prepared), *buffers, *_plain_tensor_attributes(prepared.model)]
         for value in (part for t in held for part in recorder.sparse.strided(t)):
             if value in shadows.values and recorder.known.keeps(value):
-                recorder.known.keep([value], [shadows.values.real[value]])
-        for name, buffer in prepared.model.named_buffers():  # a known buffer the precision converted: cast as eager's
-            built = built_buffers.get(name)
-            if buffer not in shadows.values and built is not None and built in shadows.values \
-                    and built.shape == buffer.shape and recorder.known.keeps(buffer) and buffer.layout is torch.strided:
-                with _disable_current_modes():
-                    recorder.known.keep([buffer], [shadows.values.real[built].to(buffer.dtype)])
+                with _disable_current_modes():  # a buffer the precision converted in place: its value cast as eager's
+                    recorder.known.keep([value], [shadows.values.real[value].to(value.dtype)])
         # nothing here may keep a buffer alive through the step: a forward that replaces one
         # (`self.register_buffer(name, new)`, `self.stat = new`) frees the old block in eager
-        del built_buffers, buffers, held
-        buffer = built = value = None
+        del buffers, held
+        value = None
         del shadows
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}
 
