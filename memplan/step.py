@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
 from memplan.errors import BadInput
@@ -180,14 +181,15 @@ def _is_norm_layer(module: nn.Module) -> bool:
 
 
 def convert_module(model: nn.Module, device: torch.device, precision: Precision) -> nn.Module:
-    """Move and cast parameters and buffers by replacing them (Module.to() cannot swap fake
-    parameters). Tied parameters stay tied; integer buffers keep their dtype. Each original is kept
-    until the end, so its id is not reused: a module that registers a new Parameter while its modules
-    are listed (peft's LoRA nn.MultiheadAttention, in named_modules) would otherwise be handed the
-    conversion of one already replaced, another weight. A tensor the conversion leaves as it is (fp32 on
-    the CPU) stays the same object, as under `Module.to()`: a library that holds the model's parameters
-    elsewhere too (torchrl's losses keep them in a TensorDictParams and load them into the network at
-    each call) trained copies the optimizer did not hold, so no gradient reached it."""
+    """Move and cast parameters and buffers, each keeping its identity (_converted_in_place): a library
+    that holds the model's tensors elsewhere too then feeds the network the objects the step converted
+    and the optimizer holds. torchrl's losses keep the networks' parameters in a TensorDictParams and
+    load them into the network at each call (SAC's target parameters as its buffers); pyro's modules
+    read theirs back from its param store. Replaced by new objects, a pure-bf16 step failed there (bf16
+    activations met the fp32 originals), and the optimizer held copies no gradient reached. Tied
+    tensors stay tied; integer buffers keep their dtype. Each original is kept until the end, so its id
+    is not reused: a module that registers a new Parameter while its modules are listed (peft's LoRA
+    nn.MultiheadAttention, in named_modules) would otherwise be handed the conversion of another."""
     converted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original) -> (original, converted)
 
     def convert(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,9 +197,7 @@ def convert_module(model: nn.Module, device: torch.device, precision: Precision)
             target = dtype if tensor.is_floating_point() else tensor.dtype
             with torch.no_grad():
                 new = tensor.to(device=device, dtype=target)
-            if isinstance(tensor, nn.Parameter) and new is not tensor:
-                new = nn.Parameter(new, requires_grad=tensor.requires_grad)
-            converted[id(tensor)] = (tensor, new)
+            converted[id(tensor)] = (tensor, tensor if new is tensor else _converted_in_place(tensor, new))
         return converted[id(tensor)][1]
 
     for module in model.modules():
@@ -209,8 +209,27 @@ def convert_module(model: nn.Module, device: torch.device, precision: Precision)
             if buf is not None:
                 module._buffers[name] = convert(buf, dtype)
         if isinstance(module, nn.RNNBase):
-            module._init_flat_weights()  # its cached list would keep the old weights alive
+            module._init_flat_weights()  # its cached list would keep a replaced weight alive
     return model
+
+
+def _converted_in_place(tensor: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`tensor` holding `new`'s contents by `tensor.data = new`, as torch's `Module._apply` converts a
+    real parameter: the object keeps its identity, its autograd state (hooks; the gradient accumulator
+    a graph built with the model refers to, weight_norm's) and the weak references to it (pyro's), where
+    the `swap_tensors` that `Module._apply` takes for a fake tensor refuses the last two and drops the
+    hooks. A fake tensor (the tracer's, which converts on the CPU, so its fake device holds) takes `new`'s
+    `constant` too, the real value it keeps of a small tensor: left in the old dtype, ops on it came
+    out in that dtype. A gradient is converted alike. A real tensor the tracer left its factory (a lazy
+    module's) converts to a fake one: a new object, as `Module._apply` makes it."""
+    if isinstance(new, FakeTensor) and not isinstance(tensor, FakeTensor):
+        return nn.Parameter(new, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
+    tensor.data = new
+    if isinstance(tensor, FakeTensor):
+        tensor.constant = new.constant
+    if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
+        tensor.grad = tensor.grad.to(device=new.device, dtype=new.dtype)
+    return tensor
 
 
 def convert_inputs(inputs: tuple | dict, device: torch.device, precision: Precision) -> tuple | dict:

@@ -482,7 +482,7 @@ class _Recorder(TorchDispatchMode):
         # them: any() -> False (see _note_value_test)
         self.value_tests: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.extremes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # unknown min() and max(): their op
-        self.ranges: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # conjunctions of value tests (see _note_value_test)
+        self.holding: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # tests that typically hold (_note_value_test)
         # open calls of _IN_PLACE_ADDS' composites: (its rule, the added tensor's storage, the index of
         # the first op inside the call), innermost last; see _InPlaceScopes
         self.in_place_calls: list[tuple[_InPlaceAdd, torch.UntypedStorage, int]] = []
@@ -775,7 +775,13 @@ class _Recorder(TorchDispatchMode):
         check (`if torch.any(var < 0): raise`, F.gaussian_nll_loss's; `assert not loss.isnan().any()`)
         finds in a real step. A test of integer values (`(top_k == expert).any()`: does work follow?)
         still reads true, the larger case. A whole tensor's extreme tested against a bound
-        (`_ANY_OF_EXTREMES`: `x.min() < eps` is `(x < eps).any()`) reads as such an `any()`."""
+        (`_ANY_OF_EXTREMES`: `x.min() < eps` is `(x < eps).any()`) reads as such an `any()`. Over a test
+        that typically holds, `any()` reads true: a range (a conjunction of tests; `isfinite(x)` is
+        `(x == x) * (x.abs() != inf)`), an inequality of continuous values (`x != c`; `x != x` is a NaN
+        test) and the negation of a test that typically fails. Ultralytics' RLE keypoint loss: `if not
+        (visibility != 0).any()` and, over the visible ones, `valid = ~(isnan(e) | isinf(e)).any(-1); if
+        not valid.any()` return a zero loss; both read false, its flow never ran (the forward 7.3% under
+        while flagged a bound). Negated, one of these typically fails again."""
         packet = func._overloadpacket
         if packet in _VALUE_TESTS:
             tested = any(t.is_floating_point() or t.is_complex() for t in inputs)
@@ -783,12 +789,14 @@ class _Recorder(TorchDispatchMode):
             tested = packet in _TEST_COMBINATIONS and any(t in self.value_tests for t in inputs)
         if tested:
             extreme = self.extremes.get(inputs[0]) if inputs else None
-            if packet in _CONJUNCTIONS or (packet in _KEEPING_CONJUNCTIONS and inputs and inputs[0] in self.ranges):
-                self.ranges[out] = True
+            if packet in _CONJUNCTIONS or (packet in _EQUALITIES and (packet is torch.ops.aten.ne) != _same(inputs)) \
+                    or (packet in _KEEPING_CONJUNCTIONS and inputs and inputs[0] in self.holding) \
+                    or (packet in _NEGATIONS and inputs and inputs[0] not in self.holding):
+                self.holding[out] = True
             # any() over a range test (`(x >= -b) & (x <= b)`: nflows' splines, `if torch.any(inside):`
             # before transforming the inside) typically finds values inside: it reads true (read false,
             # the spline was skipped and the loss lost every parameter)
-            inside = packet is torch.ops.aten.any and bool(inputs) and inputs[0] in self.ranges
+            inside = packet is torch.ops.aten.any and bool(inputs) and inputs[0] in self.holding
             self.value_tests[out] = out.numel() == 1 and not inside and (packet is torch.ops.aten.any
                                                                          or (extreme, packet) in _ANY_OF_EXTREMES)
 
@@ -940,11 +948,19 @@ _LINALG_INFOS = {torch.ops.aten.linalg_cholesky_ex.default: 1, torch.ops.aten.li
 _VALUE_TESTS = {getattr(torch.ops.aten, name) for name in (
     "isnan", "isinf", "isposinf", "isneginf", "isfinite", "signbit", "eq", "ne", "lt", "le", "gt", "ge")}
 _TEST_COMBINATIONS = {getattr(torch.ops.aten, name) for name in (
-    "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
+    "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or", "mul",
     "any", "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
-# A conjunction of value tests is a range (`(x >= a) & (x <= b)`), and views keep it one; a negation or a
-# disjunction of tests (`(w < a) | (w > b)`: out of range) is not
-_CONJUNCTIONS = {torch.ops.aten.logical_and, torch.ops.aten.bitwise_and}
+# A conjunction of value tests (a product of bool ones too) is a range (`(x >= a) & (x <= b)`), and views keep
+# it one; a disjunction of tests (`(w < a) | (w > b)`: out of range) is not. A negation holds where its
+# operand fails (`~isnan(x)`, `~((w < a) | (w > b))`)
+_CONJUNCTIONS = {torch.ops.aten.logical_and, torch.ops.aten.bitwise_and, torch.ops.aten.mul}
+_NEGATIONS = {torch.ops.aten.logical_not, torch.ops.aten.bitwise_not}
+_EQUALITIES = {torch.ops.aten.eq, torch.ops.aten.ne}  # over continuous values `x == c` fails, `x != c` holds
+
+
+def _same(inputs: list[torch.Tensor]) -> bool:
+    """Both operands one tensor (`x == x`, `x != x`: tests of NaN)."""
+    return len(inputs) == 2 and inputs[0] is inputs[1]
 _KEEPING_CONJUNCTIONS = {getattr(torch.ops.aten, name) for name in (
     "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
 # Reductions of a whole tensor to its extreme, and the tests of one that are tests of every element
@@ -2716,7 +2732,6 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
             model, inputs = workload.build()
         if transform is not None:
             model = transform(model)
-        built_buffers = dict(model.named_buffers())  # before the precision converts them
         prepared = prepare_step(model, inputs, config, "cpu", foreach=rules.foreach, stand_in=True)
         del model, inputs
         recorder.sparse.parts.update(shadows.sparse.parts)
@@ -2732,17 +2747,12 @@ def trace_step(workload: Workload, config: StepConfig, rules: TraceRules = Trace
         held = [*_input_tensors(prepared), *buffers, *_plain_tensor_attributes(prepared.model)]
         for value in (part for t in held for part in recorder.sparse.strided(t)):
             if value in shadows.values and recorder.known.keeps(value):
-                recorder.known.keep([value], [shadows.values.real[value]])
-        for name, buffer in prepared.model.named_buffers():  # a known buffer the precision converted: cast as eager's
-            built = built_buffers.get(name)
-            if buffer not in shadows.values and built is not None and built in shadows.values \
-                    and built.shape == buffer.shape and recorder.known.keeps(buffer) and buffer.layout is torch.strided:
-                with _disable_current_modes():
-                    recorder.known.keep([buffer], [shadows.values.real[built].to(buffer.dtype)])
+                with _disable_current_modes():  # a buffer the precision converted in place: its value cast as eager's
+                    recorder.known.keep([value], [shadows.values.real[value].to(value.dtype)])
         # nothing here may keep a buffer alive through the step: a forward that replaces one
         # (`self.register_buffer(name, new)`, `self.stat = new`) frees the old block in eager
-        del built_buffers, buffers, held
-        buffer = built = value = None
+        del buffers, held
+        value = None
         del shadows
         module_types = {name: type(m).__name__ for name, m in prepared.model.named_modules()}
 

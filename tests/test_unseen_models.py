@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ import memplan.cpu_kernels
 from memplan.emit import apply_plan
 from memplan.estimate import estimate
 from memplan.plan import Plan, Segment
-from memplan.step import StepConfig
+from memplan.step import StepConfig, precision_rule
 from memplan.verify import gradients_equal, measure
 from memplan.workload import Workload
 
@@ -2036,7 +2037,7 @@ class _ParametersHeldElsewhereToo(nn.Module):
     new Parameter objects even where it cast nothing (fp32 on the CPU): the optimizer held those, the
     forward the originals, so no gradient reached the optimizer and no state was made (torchrl's PPO:
     0 of 10 parameters had a gradient; pyro's AutoNormal: 2 of 6), in the estimate and the measured step
-    alike."""
+    alike. Where it cast them (bf16, fp16-master) the forward met the fp32 originals and failed."""
 
     def __init__(self):
         super().__init__()
@@ -2047,22 +2048,127 @@ class _ParametersHeldElsewhereToo(nn.Module):
         return F.linear(x, *self.held).square().mean()
 
 
+class _ParametersLoadedAtEachCall(nn.Module):
+    """The network's parameters kept in a dict and loaded into it at each call, as torchrl's losses load
+    theirs (`functional_call`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+        self.held = dict(self.net.named_parameters())
+
+    def forward(self, x):
+        return torch.func.functional_call(self.net, self.held, (x,)).square().mean()
+
+
+class _TargetParametersHeldAsBuffers(nn.Module):
+    """A target network's parameters, detached copies, kept as buffers and in a dict and loaded into the
+    network at each call, as torchrl's SAC keeps its target Q-network's in a TensorDictParams."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(16, 16)
+        self.target = nn.Module()
+        for name, param in self.net.named_parameters():
+            self.target.register_buffer(name, param.detach().clone())
+        self.held = dict(self.target.named_buffers())
+
+    def forward(self, x):
+        return (self.net(x) - torch.func.functional_call(self.net, self.held, (x,))).square().mean()
+
+
+class _ParameterReferencedWeakly(nn.Module):
+    """A parameter read back through a weak reference to it, as pyro's param store hands out a parameter
+    whose constraint is the identity with `unconstrained = weakref.ref(param)`; the swap that converts
+    a fake parameter refused any weak reference ("Cannot swap t1 because it has weakref")."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.weight_ref = weakref.ref(self.lin.weight)
+
+    def forward(self, x):
+        return F.linear(x, self.weight_ref(), self.lin.bias).square().mean()
+
+
 def parameters_held_elsewhere_too(batch_size: int = 2):
     return _ParametersHeldElsewhereToo(), (torch.randn(batch_size, 16),)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
-def test_parameters_held_elsewhere_too_get_their_gradients(precision):
+def parameters_loaded_at_each_call(batch_size: int = 2):
+    return _ParametersLoadedAtEachCall(), (torch.randn(batch_size, 16),)
+
+
+def target_parameters_held_as_buffers(batch_size: int = 2):
+    return _TargetParametersHeldAsBuffers(), (torch.randn(batch_size, 16),)
+
+
+def parameter_referenced_weakly(batch_size: int = 2):
+    return _ParameterReferencedWeakly(), (torch.randn(batch_size, 16),)
+
+
+@pytest.mark.parametrize("build", [parameters_held_elsewhere_too, parameters_loaded_at_each_call,
+                                   target_parameters_held_as_buffers, parameter_referenced_weakly])
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "bf16", "fp16-master"])
+def test_parameters_held_elsewhere_too_get_their_gradients(build, precision):
     from memplan.step import loss_of, prepare_step
 
-    model, inputs = parameters_held_elsewhere_too()
+    model, inputs = build()
     prepared = prepare_step(model, inputs, StepConfig(precision=precision, optimizer="adamw"), "cpu")
     loss_of(prepared.model(*prepared.inputs)).backward()
-    params = [p for group in prepared.optimizer.param_groups for p in group["params"]]
+    # with master weights the optimizer holds fp32 copies, which take the model parameters' gradients
+    params = [p for p, _ in prepared.master_pairs] or [p for group in prepared.optimizer.param_groups for p in group["params"]]
     assert params and all(p.grad is not None for p in params)
-    predicted, _ = _check(parameters_held_elsewhere_too, precision)
-    weights = sum(p.numel() * 4 for p in model.parameters())
+    predicted, _ = _check(build, precision)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert predicted.phase_peaks["optimizer"] >= 4 * weights  # weights, gradients, AdamW's two moments
+
+
+def gradient_hooked_in_factory(batch_size: int = 2):
+    """A hook on a parameter's tensor that rewrites its gradient, registered while building (as peft's
+    OSF projects its gradients). The precision's cast replaced the parameter, so its hook was lost."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    model[0].weight.register_hook(lambda grad: grad * 2)
+    return model, (torch.randn(batch_size, 16),)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16-master"])
+def test_a_gradient_hook_registered_while_building_outlives_the_cast(precision):
+    from memplan.step import loss_of, prepare_step
+
+    model, inputs = gradient_hooked_in_factory()
+    reference, _ = gradient_hooked_in_factory()
+    reference.load_state_dict(model.state_dict())
+    reference.to(precision_rule(precision).param_dtype)  # as torch converts: in place, the hook kept
+    prepared = prepare_step(model, inputs, StepConfig(precision=precision, optimizer="sgd"), "cpu")
+    loss_of(prepared.model(*prepared.inputs)).backward()
+    loss_of(reference(*prepared.inputs)).backward()
+    for param, expected in zip(prepared.model.parameters(), reference.parameters()):
+        assert torch.equal(param.grad, expected.grad)
+    _check(gradient_hooked_in_factory, precision, "sgd")
+
+
+def zero_dim_buffer_concatenated(batch_size: int = 8):
+    """A 0-dim float buffer (`torch.tensor(2.0)`), a fake tensor that keeps its real value as `constant`,
+    whose product is concatenated with the activations. Converted in place to bf16, it kept an fp32
+    constant, so ops on it came out fp32 under the tracer: the concatenation was fp32, where eager's is
+    bf16 (backward 1.7% under)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 256)
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.cat([h, (self.scale * 2).expand(h.shape[0], 256)], 1).square().mean()
+
+    return Net(), (torch.randn(batch_size, 16),)
+
+
+def test_a_zero_dim_buffer_cast_in_place_computes_in_its_new_dtype():
+    _check(zero_dim_buffer_concatenated, "bf16", "sgd")
 
 
 # --------------------------------------------------------------------------------------------------
