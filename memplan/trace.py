@@ -789,7 +789,8 @@ class _Recorder(TorchDispatchMode):
             tested = packet in _TEST_COMBINATIONS and any(t in self.value_tests for t in inputs)
         if tested:
             extreme = self.extremes.get(inputs[0]) if inputs else None
-            if packet in _CONJUNCTIONS or (packet in _EQUALITIES and (packet is torch.ops.aten.ne) != _same(inputs)) \
+            nan_test = len(inputs) == 2 and inputs[0] is inputs[1]  # x == x, x != x
+            if packet in _CONJUNCTIONS or (packet in _EQUALITIES and (packet is torch.ops.aten.ne) != nan_test) \
                     or (packet in _KEEPING_CONJUNCTIONS and inputs and inputs[0] in self.holding) \
                     or (packet in _NEGATIONS and inputs and inputs[0] not in self.holding):
                 self.holding[out] = True
@@ -957,10 +958,6 @@ _CONJUNCTIONS = {torch.ops.aten.logical_and, torch.ops.aten.bitwise_and, torch.o
 _NEGATIONS = {torch.ops.aten.logical_not, torch.ops.aten.bitwise_not}
 _EQUALITIES = {torch.ops.aten.eq, torch.ops.aten.ne}  # over continuous values `x == c` fails, `x != c` holds
 
-
-def _same(inputs: list[torch.Tensor]) -> bool:
-    """Both operands one tensor (`x == x`, `x != x`: tests of NaN)."""
-    return len(inputs) == 2 and inputs[0] is inputs[1]
 _KEEPING_CONJUNCTIONS = {getattr(torch.ops.aten, name) for name in (
     "view", "reshape", "_unsafe_view", "flatten", "squeeze", "unsqueeze")}
 # Reductions of a whole tensor to its extreme, and the tests of one that are tests of every element
