@@ -1221,6 +1221,33 @@ def test_batch_norm_layouts_as_the_cpu_kernels_give_them(precision):
     _check(depthwise_conv_norm_to_tokens, precision=precision, optimizer="sgd")
 
 
+def pooled_branch_batch_norm(batch_size: int = 2):
+    """UPerNet's pyramid pooling over a channels-last feature: pooled to 1 x 1, a 1 x 1 convolution
+    strides its (batch, 32, 1, 1) output (32, 1, 32, 32), both row-major and channels-last. Eager's
+    BatchNorm (suggest_memory_format_contig) writes it (32, 1, 1, 1), so the upsampling, the
+    concatenation and the 3 x 3 convolution after it run row-major; the fake kernel kept the
+    channels-last strides, and the convolutions' oneDNN scratch was probed for that layout (fp32:
+    +110,640 B in forward, +225,280 B in backward)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.branch = nn.Sequential(nn.Conv2d(64, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True))
+            self.fuse = nn.Conv2d(96, 32, 3, padding=1)
+
+        def forward(self, x):
+            up = F.interpolate(self.branch(self.pool(x)), size=x.shape[-2:], mode="bilinear", align_corners=False)
+            return self.fuse(torch.cat([x, up], 1)).square().mean()
+
+    return Net(), (torch.randn(batch_size, 64, 4, 4).to(memory_format=torch.channels_last),)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_batch_norm_of_a_pooled_channels_last_map_writes_row_major(precision):
+    _check(pooled_branch_batch_norm, precision=precision, optimizer="sgd")
+
+
 def expert_named_by_an_index(batch_size: int = 2):
     """SwitchTransformers: `self[f"expert_{idx}"]` with idx a 0-dim tensor."""
 
