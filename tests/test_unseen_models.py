@@ -587,6 +587,35 @@ def test_successive_draws_continue_the_generator():
     assert not predicted.approximate
 
 
+def adaptive_softmax_labels_after_the_model(batch_size: int = 2):
+    """The usual factory: seed, build the model (its initialization draws), then draw the token ids and
+    labels. nn.AdaptiveLogSoftmaxWithLoss sizes each cluster's rows by the labels in it (a nonzero over
+    known labels), so the trace must hold the labels the real build drew: an initialization into a
+    tensor whose values are not kept (the embedding's 32,000 normal draws, over the size whose values
+    are kept while building) did not move the generator, the labels came out as if drawn first, and
+    the forward was 4,568 B short."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(1000, 32)
+            self.head = nn.AdaptiveLogSoftmaxWithLoss(32, 1000, cutoffs=[50, 300], div_value=2.0)
+
+        def forward(self, ids, labels):
+            return self.head(self.emb(ids).flatten(0, 1), labels.flatten()).loss
+
+    torch.manual_seed(0)
+    net = Net()
+    return net, (torch.randint(0, 1000, (batch_size, 32)), torch.randint(0, 1000, (batch_size, 32)))
+
+
+@pytest.mark.parametrize("precision, optimizer", [("fp32", "adamw"), ("bf16", "sgd")])
+def test_draws_after_the_model_read_as_eagers(precision, optimizer):
+    """Every draw while building moves the generator as eager's does, however large its tensor."""
+    _assert_estimate_draws_nothing(adaptive_softmax_labels_after_the_model, seed=0)
+    _check(adaptive_softmax_labels_after_the_model, precision=precision, optimizer=optimizer)
+
+
 def packed_recurrent(batch_size: int = 3, kind: str = "lstm", batch_first: bool = True, known_lengths: bool = True):
     """Padded sequences packed for a recurrent layer (pack_padded_sequence, pad_packed_sequence): the
     packing's output shape and the packed RNN's and the padding's C++ loops follow the lengths' values."""
