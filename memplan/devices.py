@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._prims_common import compute_elementwise_output_strides, make_contiguous_strides_for, suggest_memory_format
+from torch._prims_common import (
+    compute_elementwise_output_strides,
+    make_channels_last_strides_for,
+    make_contiguous_strides_for,
+    suggest_memory_format,
+)
 
 from memplan.allocator import CudaCachingAllocator, ExactAllocator
 from memplan.cpu_kernels import missing_cpu_kernel
@@ -55,23 +60,54 @@ def _batch_norm_stats_fp32(args: tuple, kwargs: dict, out: Any) -> Any:
 
 def _batch_norm_output_layout_cpu(args: tuple, kwargs: dict, out: Any) -> Any:
     """aten/src/ATen/native/Normalization.cpp batch_norm_cpu allocates its output
-    `empty_like(self, self.suggest_memory_format())` (or the contiguous format `self` is already in):
+    `empty_like(self, all_contiguous ? suggest_memory_format_contig(self) : self.suggest_memory_format())`:
     row-major unless the input is channels-last, whatever its strides; the fake kernel copies the
     input's strides. PatchTST normalises a transposed (batch, d_model, patches) view: eager's output
     is row-major, so the transpose back to (batch, patches, d_model) is not, and every linear layer
     after it copies its input (matmul's contiguous copy) where under tracing it viewed (addmm):
-    one activation-sized copy per projection, 1-4% of the peak."""
+    one activation-sized copy per projection, 1-4% of the peak. An input both row-major and
+    channels-last (size-1 dimensions: UPerNet's pooled (2, 256, 1, 1) features, strided (256, 1, 256,
+    256) by their convolution) comes out with row-major strides, (256, 1, 1, 1), which the upsampling,
+    concatenation and 3x3 convolution after it follow: under tracing they ran channels-last and the
+    convolution's oneDNN reorders were probed for that layout (+8,640,560 B at UPerNet's forward peak)."""
     out = _batch_norm_stats_fp32(args, kwargs, out)
-    return (_in_suggested_layout(out[0], args[0]), *out[1:])
+    x = args[0]
+    dense = _normalization_dense(x) and all(t is None or t.is_contiguous() for t in args[1:5])
+    return (_in_layout(out[0], _normalization_layout(x, dense)), *out[1:])
 
 
-def _in_suggested_layout(t: torch.Tensor | None, reference: torch.Tensor) -> torch.Tensor | None:
-    """`t`, or an empty tensor like it in the memory format `reference` suggests: the CPU kernels'
-    `empty_like(..., reference.suggest_memory_format())` (row-major unless channels-last)."""
-    layout = suggest_memory_format(reference)
-    if t is None or t.is_contiguous(memory_format=layout):
+def _normalization_dense(t: torch.Tensor) -> bool:
+    """Normalization.cpp is_contiguous: row-major, channels-last or channels-last-3d."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
+        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+def _normalization_layout(x: torch.Tensor, all_contiguous: bool) -> torch.memory_format:
+    """The memory format Normalization.cpp's CPU kernels allocate in: `suggest_memory_format_contig(x)`
+    where every operand is dense (row-major whenever `x.is_contiguous()`, which ignores the strides
+    of size-1 dimensions, else channels-last), else `x.suggest_memory_format()` (channels-last where
+    x's strides are like channels-last, size-1 dimensions included)."""
+    if not all_contiguous:
+        return suggest_memory_format(x)
+    if x.is_contiguous():
+        return torch.contiguous_format
+    return torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+
+
+def _in_layout(t: torch.Tensor | None, layout: torch.memory_format) -> torch.Tensor | None:
+    """`t`, or an empty tensor like it with the strides `empty_like(t, layout)` gives: those of size-1
+    dimensions too, which decide the memory format of the ops after it."""
+    if t is None or t.stride() == _layout_strides(tuple(t.shape), layout):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=layout)
+
+
+def _layout_strides(shape: tuple[int, ...], layout: torch.memory_format) -> tuple[int, ...]:
+    if layout == torch.channels_last and len(shape) == 4:
+        return tuple(make_channels_last_strides_for(shape))
+    if layout == torch.channels_last_3d and len(shape) == 5:
+        return tuple(make_channels_last_strides_for(shape))
+    return tuple(make_contiguous_strides_for(shape))
 
 
 for _device in ("cpu", "cuda"):
@@ -82,12 +118,17 @@ OUTPUT_FIXES[("cpu", aten.mkldnn_rnn_layer.default)] = _rnn_workspace
 
 def _batch_norm_grad_layout_cpu(args: tuple, kwargs: dict, out: Any) -> Any:
     """Normalization.cpp batch_norm_backward_cpu allocates the input gradient in the memory format
-    the *input* suggests (row-major unless the input is channels-last); the fake kernel copies the
-    incoming gradient's strides. CvT's depthwise projection (conv, then BatchNorm, then its output
-    flattened to tokens) gets a channels-last incoming gradient for a row-major input: under tracing
-    the convolution's backward then read a channels-last gradient and its oneDNN scratch was probed
-    for that layout (256 B more than eager's, +0.10% at CvT's bf16 backward peak)."""
-    return (_in_suggested_layout(out[0], args[1]), *out[1:])
+    the *input* suggests (row-major unless the input is channels-last), or, where the input and the
+    incoming gradient are both dense and suggest the same format, `suggest_memory_format_contig(input)`
+    (row-major whenever the input is); the fake kernel copies the incoming gradient's strides. CvT's
+    depthwise projection (conv, then BatchNorm, then its output flattened to tokens) gets a
+    channels-last incoming gradient for a row-major input: under tracing the convolution's backward
+    then read a channels-last gradient and its oneDNN scratch was probed for that layout (256 B more
+    than eager's, +0.10% at CvT's bf16 backward peak)."""
+    grad_out, x = args[0], args[1]
+    same = _normalization_dense(x) and _normalization_dense(grad_out) and (
+        suggest_memory_format(x) == suggest_memory_format(grad_out))
+    return (_in_layout(out[0], _normalization_layout(x, same)), *out[1:])
 
 
 OUTPUT_FIXES[("cpu", aten.native_batch_norm_backward.default)] = _batch_norm_grad_layout_cpu

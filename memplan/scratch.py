@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
+from torch._prims_common import make_contiguous_strides_for, suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
@@ -885,8 +885,9 @@ def _batch_norm(args: tuple, kwargs: dict, out: Any) -> int:
 
 @scratch_rule("cpu", aten.native_batch_norm_backward.default)
 def _batch_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
-    """Normalization.cpp batch_norm_backward_cpu_template: with input and grad_output dense in the
-    same memory format, grad_input is allocated a second time (`grad_input = at::empty_like(input,
+    """Normalization.cpp batch_norm_backward_cpu_template: with input and grad_output dense and
+    suggesting the same memory format (`input.suggest_memory_format() == grad_out.suggest_memory_format()`:
+    the strides of size-1 dimensions count), grad_input is allocated a second time (`grad_input = at::empty_like(input,
     suggest_memory_format_contig(input))`) before the first is released; then the channels-last
     kernel (batch_norm_kernel.cpp batch_norm_cpu_backward_channels_last_impl/_internal) allocates a
     {2, num_threads, C} opmath buffer, plus float32 weight/mean/invstd copies for reduced precision
@@ -895,8 +896,7 @@ def _batch_norm_backward(args: tuple, kwargs: dict, out: Any) -> int:
     grad_out, x, weight = args[:3]
     train, mask = args[7], args[9]
     channels = x.shape[1] if x.dim() > 1 else 1
-    same_format = _dense(x) and _dense(grad_out) and (
-        x.is_contiguous() == grad_out.is_contiguous())
+    same_format = _dense(x) and _dense(grad_out) and suggest_memory_format(x) == suggest_memory_format(grad_out)
     if not same_format:
         return channels * _itemsize(x.dtype)
     second_grad_input = x.numel() * _itemsize(x.dtype) if mask[0] else 0

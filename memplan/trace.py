@@ -93,6 +93,8 @@ _BACKWARD_IN_PLACE = {torch.ops.aten.scatter.src, torch.ops.aten.scatter_add.def
                       torch.ops.aten.index_add.default}
 # Elements of a traced tensor whose values the recorder keeps (integer and bool tensors only)
 _KNOWN_LIMIT = 1 << 16
+# elements a build draws on stand-ins to move the generators on (_RealValues.advance): all draws, and one
+ADVANCE_LIMIT, ADVANCE_DRAW_LIMIT = 1 << 26, 1 << 24
 
 
 def _ctc_loss_outputs(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
@@ -774,11 +776,28 @@ class _Recorder(TorchDispatchMode):
             return False
         rule, added, first = self.in_place_calls[-1]
         result, operand = args[0], args[1]
-        if not isinstance(operand, torch.Tensor) or (rule.same_operand and operand.untyped_storage() is not added):
+        if not isinstance(operand, torch.Tensor) or (
+                rule.same_operand and operand.untyped_storage() is not added and not self._cast_in_call(operand, added, first)):
             return False
-        sid = self.ids.get(result.untyped_storage()) if isinstance(result, torch.Tensor) else None
+        return self._made_in_call(result, first)
+
+    def _made_in_call(self, tensor: Any, first: int) -> bool:
+        """Whether `tensor`'s storage was allocated by an op from `first` on."""
+        sid = self.ids.get(tensor.untyped_storage()) if isinstance(tensor, torch.Tensor) else None
         made_by = self.storages[sid]["op"] if sid is not None else None
         return made_by is not None and made_by >= first
+
+    def _cast_in_call(self, operand: torch.Tensor, added: torch.UntypedStorage, first: int) -> bool:
+        """Whether `operand` is a dtype conversion of `added`'s storage made inside the call: autocast casts
+        a Linear's bias before the composite runs (fp16 or bf16), and eager still adds the cast bias in
+        place into the matrix product (an out-of-place add under tracing was 1,600 B over at a Conformer's
+        amp-fp16 forward peak: its output projection over a transposed sequence)."""
+        sid, source = self.ids.get(operand.untyped_storage()), self.ids.get(added)
+        made_by = self.storages[sid]["op"] if sid is not None else None
+        if made_by is None or made_by < first or source is None:
+            return False
+        op = self.ops[made_by]
+        return op.name == str(torch.ops.aten._to_copy.default) and op.reads[:1] == (source,)
 
     def _note_value_test(self, func: Any, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
         """Mark a test of floating-point values (`isnan(loss)`, `var < 0`, and logical combinations of
@@ -1932,6 +1951,7 @@ class _RealValues:
         self.storages: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()  # those some value is over
         # generator -> (its state before this build's latest run of draws from it, the state they left it in)
         self.drawn: dict[torch.Generator, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.advance_budget = ADVANCE_LIMIT  # elements left to draw on stand-ins (`advance`)
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
         return tensor in self.real
@@ -1969,6 +1989,40 @@ class _RealValues:
                 return func(*real_args, **real_kwargs)
         except Exception:  # noqa: BLE001 - no value, no harm: unknown values read as before
             return None
+
+    def advance(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A draw whose values are not kept (a float draw, a parameter's initialization into a tensor of
+        unknown values or over `keeps`' size): run it for real on stand-ins of its operands, their
+        values where known, so the generator moves on as the real draw moves it and the draws after it
+        read as eager's (the token ids and labels a factory draws after building the model: after an
+        `nn.Embedding(1000, 32)`, an adaptive softmax's targets fell in other clusters than the real
+        step's, its forward 4,568 B short). Within ADVANCE_LIMIT elements a build and ADVANCE_DRAW_LIMIT
+        a draw (a 70B-parameter configuration is not initialized for real); past them the generator is
+        left where it is from there on, and later draws differ from eager's, as they did before."""
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+        numel = sum(t.numel() for t in tensors)
+        if numel > min(self.advance_budget, ADVANCE_DRAW_LIMIT) or any(t.layout is not torch.strided for t in tensors):
+            self.advance_budget = 0  # one draw skipped: the generator is off from here on, so draw no more
+            return
+        self.advance_budget -= numel
+
+        def stand_in(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            real = self.value(value)
+            if real is not None:
+                return real.clone()  # a copy: the draw may write it, and its known value stays the fake's
+            if not is_non_overlapping_and_dense_or_false(value):
+                return torch.zeros(value.shape, dtype=value.dtype)
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype).zero_()  # laid out as eager's
+
+        generators = [g for g in flat if isinstance(g, torch.Generator)] or [torch.default_generator]
+        with _disable_current_modes():
+            real_args, real_kwargs = tree_unflatten([stand_in(v) for v in flat], spec)
+            # a stand-in the draw refuses leaves the generator where it is (as before)
+            with self._drawing(generators), contextlib.suppress(Exception):
+                func(*real_args, **real_kwargs)
 
     @contextlib.contextmanager
     def _drawing(self, generators: list[torch.Generator]) -> Iterator[None]:
@@ -2155,13 +2209,16 @@ class _RealValues:
         real_out = None
         typical = self.typical_source((args, kwargs))
         outputs = [t for t in flat_out if isinstance(t, FakeTensor)]
-        if (outputs or written) and all(self.keeps(t) for t in outputs):
-            random = self.draws and all(not t.is_floating_point() and not t.is_complex() for t in (*outputs, *written))
+        kept = (outputs or written) and all(self.keeps(t) for t in outputs)
+        random = self.draws and all(not t.is_floating_point() and not t.is_complex() for t in (*outputs, *written))
+        if kept:
             real_out = self.compute(func, args, kwargs, written, random)
-            if self.draws and not random and torch.Tag.nondeterministic_seeded in func.tags:
-                # a float draw (the node features drawn before the edges): its values stay unknown, but the
-                # generator moves on as the real draw moves it, so the integer draws after it read as eager's
-                self.compute(func, args, kwargs, written, random=True)
+        if self.draws and torch.Tag.nondeterministic_seeded in func.tags and not (random and real_out is not None):
+            # a draw whose values stay unknown (a float draw: the node features drawn before the edges; a
+            # parameter's initialization): the generator moves on as the real draw moves it, so the
+            # integer draws after it read as eager's
+            self.advance(func, args, kwargs)
+        if kept:
             if real_out is None and func._overloadpacket in _DRAW_MEDIANS and len(outputs) == 1 \
                     and outputs[0].numel() == 1:
                 real_out = self.median(func, args, kwargs, outputs[0])

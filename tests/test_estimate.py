@@ -659,3 +659,23 @@ def test_a_linear_adds_its_bias_in_place_where_eager_does_and_not_in_a_selective
     (plain_eager, plain_traced), (segment_eager, segment_traced) = counts
     assert plain_eager >= 1, counts  # the case is there: eager adds a bias in place
     assert plain_traced == plain_eager and segment_traced == segment_eager, counts
+
+
+@pytest.mark.parametrize("precision", ["amp-fp16", "amp-bf16"])
+def test_a_linear_adds_its_autocast_bias_in_place(precision):
+    """Under autocast a Linear's bias reaches the composite cast (`_to_copy`) to fp16 or bf16, and eager
+    still adds that copy in place into the matrix product of a transposed sequence; the trace, which
+    looked for the bias itself, added out of place: a logits-sized tensor over at the forward peak (a
+    Conformer's output projection, amp-fp16: 1,600 B)."""
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(32, 10)  # few outputs: no scratch in the fp16 matrix product to hide the add
+
+        def forward(self, x):
+            return self.out(x.transpose(1, 2)).mean()  # (B, C, T) -> (B, T, C): not contiguous
+
+    workload = Workload("head", lambda batch_size=2: (Head(), (torch.randn(batch_size, 32, 40),)), None, {})
+    predicted, measured = _estimated_as_measured(workload, StepConfig(precision, "sgd", steps=2))
+    assert predicted.phase_peaks == dict(measured.phase_peaks)

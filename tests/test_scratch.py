@@ -161,6 +161,24 @@ def test_batch_norm(threads, shape, channels_last, dtype, param_dtype):
     check(aten.native_batch_norm_backward.default, backward_args)
 
 
+@pytest.mark.parametrize("input_strides, grad_strides", [
+    ((16, 1, 1, 1), (16, 1, 16, 16)), ((16, 1, 16, 16), (16, 1, 1, 1)), ((16, 1, 16, 16), (16, 1, 16, 16))])
+def test_batch_norm_backward_of_ambiguous_layouts(threads, input_strides, grad_strides):
+    """(2, 16, 1, 1) maps are both row-major and channels-last; the kernel's contiguous path needs the
+    input and the gradient to *suggest* the same format, which the strides of their size-1
+    dimensions decide (strides (16, 1, 16, 16) suggest channels-last): otherwise it reduces
+    `at::sum(grad_out)` and allocates no second input gradient."""
+
+    def backward_args():
+        x = torch.empty_strided((2, 16, 1, 1), input_strides).normal_()
+        w, rm, rv = torch.ones(16), torch.zeros(16), torch.ones(16)
+        _, mean, invstd = aten.native_batch_norm.default(x, w, torch.zeros_like(w), rm, rv, True, 0.1, 1e-5)
+        grad = torch.empty_strided((2, 16, 1, 1), grad_strides).normal_()
+        return (grad, x, w, rm, rv, mean, invstd, True, 1e-5, [True, True, True])
+
+    check(aten.native_batch_norm_backward.default, backward_args)
+
+
 def test_batch_norm_channels_last_buffer_follows_threads():
     """The channels-last statistics buffer is {num_threads, C}: the rule must follow the thread count."""
     args = lambda: (randn(4, 32, 4, 4, dtype=BF16, channels_last=True), torch.ones(32), torch.zeros(32),

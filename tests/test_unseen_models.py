@@ -588,6 +588,35 @@ def test_successive_draws_continue_the_generator():
     assert not predicted.approximate
 
 
+def adaptive_softmax_labels_after_the_model(batch_size: int = 2):
+    """The usual factory: seed, build the model (its initialization draws), then draw the token ids and
+    labels. nn.AdaptiveLogSoftmaxWithLoss sizes each cluster's rows by the labels in it (a nonzero over
+    known labels), so the trace must hold the labels the real build drew: an initialization into a
+    tensor whose values are not kept (the embedding's 32,000 normal draws, over the size whose values
+    are kept while building) did not move the generator, the labels came out as if drawn first, and
+    the forward was 4,568 B short."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(1000, 32)
+            self.head = nn.AdaptiveLogSoftmaxWithLoss(32, 1000, cutoffs=[50, 300], div_value=2.0)
+
+        def forward(self, ids, labels):
+            return self.head(self.emb(ids).flatten(0, 1), labels.flatten()).loss
+
+    torch.manual_seed(0)
+    net = Net()
+    return net, (torch.randint(0, 1000, (batch_size, 32)), torch.randint(0, 1000, (batch_size, 32)))
+
+
+@pytest.mark.parametrize("precision, optimizer", [("fp32", "adamw"), ("bf16", "sgd")])
+def test_draws_after_the_model_read_as_eagers(precision, optimizer):
+    """Every draw while building moves the generator as eager's does, however large its tensor."""
+    _assert_estimate_draws_nothing(adaptive_softmax_labels_after_the_model, seed=0)
+    _check(adaptive_softmax_labels_after_the_model, precision=precision, optimizer=optimizer)
+
+
 def packed_recurrent(batch_size: int = 3, kind: str = "lstm", batch_first: bool = True, known_lengths: bool = True):
     """Padded sequences packed for a recurrent layer (pack_padded_sequence, pad_packed_sequence): the
     packing's output shape and the packed RNN's and the padding's C++ loops follow the lengths' values."""
@@ -1220,6 +1249,33 @@ def depthwise_conv_norm_to_tokens(batch_size: int = 1):
 def test_batch_norm_layouts_as_the_cpu_kernels_give_them(precision):
     _check(batch_norm_over_transposed_tokens, precision=precision)
     _check(depthwise_conv_norm_to_tokens, precision=precision, optimizer="sgd")
+
+
+def pooled_branch_batch_norm(batch_size: int = 2):
+    """UPerNet's pyramid pooling over a channels-last feature: pooled to 1 x 1, a 1 x 1 convolution
+    strides its (batch, 32, 1, 1) output (32, 1, 32, 32), both row-major and channels-last. Eager's
+    BatchNorm (suggest_memory_format_contig) writes it (32, 1, 1, 1), so the upsampling, the
+    concatenation and the 3 x 3 convolution after it run row-major; the fake kernel kept the
+    channels-last strides, and the convolutions' oneDNN scratch was probed for that layout (fp32:
+    +110,640 B in forward, +225,280 B in backward)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.branch = nn.Sequential(nn.Conv2d(64, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True))
+            self.fuse = nn.Conv2d(96, 32, 3, padding=1)
+
+        def forward(self, x):
+            up = F.interpolate(self.branch(self.pool(x)), size=x.shape[-2:], mode="bilinear", align_corners=False)
+            return self.fuse(torch.cat([x, up], 1)).square().mean()
+
+    return Net(), (torch.randn(batch_size, 64, 4, 4).to(memory_format=torch.channels_last),)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_batch_norm_of_a_pooled_channels_last_map_writes_row_major(precision):
+    _check(pooled_branch_batch_norm, precision=precision, optimizer="sgd")
 
 
 def expert_named_by_an_index(batch_size: int = 2):
