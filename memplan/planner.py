@@ -121,8 +121,10 @@ def candidate_blocks(
             # straight into the next (`x = block(x)`); otherwise it starts a run of its own
             chained = before is not None and parent(before.path) == parent(call.path) and _chained(before, call)
             group = blocks[-1].group if chained else f"{parent(call.path)}@{call.path}"
-        seconds = sum(seconds_of(op) for op in ops)
-        blocks.append(Block(call.path, _input_bytes(trace, call, block_bytes), saved, sum(op.flops for op in ops), seconds, group))
+        spared = trace.ops[trace.early_stop(call.first_op, call.end_op, call.closed) + 1 : call.end_op]
+        blocks.append(Block(call.path, _input_bytes(trace, call, block_bytes), saved, sum(op.flops for op in ops),
+                            sum(seconds_of(op) for op in ops), group, sum(op.flops for op in spared),
+                            sum(seconds_of(op) for op in spared)))
         previous = call
     return Candidates(tuple(blocks), tuple(excluded))
 
@@ -200,8 +202,10 @@ def nested_candidates(
         made_by = {sid: trace.storages[sid].allocated_by for sid in tail.outputs}
         outputs = {sid for sid, op in made_by.items() if op is not None and head.first_op <= op < tail.end_op}
         kept = {sid for sid in head.inputs if trace.storages[sid].role not in ("weights", "inputs", "activations")}
+        spared = trace.ops[trace.early_stop(head.first_op, tail.end_op, tail.closed) + 1 : tail.end_op]
         span = Span(first, last, sum(block_bytes(trace.storages[sid].nbytes) for sid in kept), paths,
-                    allocated - activation_bytes(outputs), max(1, calls_per_path[head.path] // passes))
+                    allocated - activation_bytes(outputs), max(1, calls_per_path[head.path] // passes),
+                    sum(op.flops for op in spared), sum(seconds_of(op) for op in spared))
         # segments covering the same units (a wrapper and its only child, a module and the run of all its
         # children): keep the one that frees more; on a tie, one module over a run, the outer over the inner
         if (first, last) not in spans or _preference(spans[(first, last)]) < _preference(span):

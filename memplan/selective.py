@@ -13,7 +13,7 @@ function, see memplan.emit._keep_policy): inside a selective segment, each saved
 outputs from forward until the segment's backward, whether or not autograd needs them; the segment's
 input is kept; every other op of the segment's forward runs again in backward, up to the last tensor the
 forward saved for backward (non-reentrant checkpointing's early stop: a segment ending in a Linear does not
-run its matmul again, see _early_stop), and ops past that are never offered for keeping. A saved call is named
+run its matmul again, see Trace.early_stop), and ops past that are never offered for keeping. A saved call is named
 "aten.addmm.default#2": the third call of addmm in one forward of the block, counting only the ops the
 runtime's policy sees (not SAC_IGNORED_OPS, such as detach); a plain "aten.addmm.default" keeps every
 call of it. Recomputation costs the ops not saved (views and in-place ops included); on a processor
@@ -109,7 +109,7 @@ from memplan.timing import (
     step_seconds,
     time_model_for,
 )
-from memplan.trace import ModuleCall, Op, Trace
+from memplan.trace import ModuleCall, Trace
 from memplan.workload import Workload
 
 OBJECTIVES = ("seconds", "flops")
@@ -238,19 +238,6 @@ def _forward_end(trace: Trace, start: int) -> int:
     return end
 
 
-def _early_stop(trace: Trace, ops: Sequence[Op], closed: int) -> int:
-    """The index of the last op of a segment's forward (`ops`, its last module closing at `closed`) that
-    recomputation runs again: non-reentrant checkpointing stops at the last tensor the forward saved for
-    backward (early stop). An op saves its inputs before it runs (mm: the FFN's last projection runs no
-    more) and its outputs after (relu, layer norm's statistics: it runs); the tracer counts either at
-    the op recorded before, so a save counted at the last op is its own only if made before its module
-    closed."""
-    last = ops[-1].index if ops else -1
-    saving = [op.index for op in ops if trace.saved_tensors.get(op.index)
-              and (op.index < last or trace.first_save_clock.get(op.index, closed) <= closed)]
-    return max(saving, default=ops[0].index - 1 if ops else -1)
-
-
 def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[int], int], clock: TimeModel,
                   objective: str = "seconds", *, last: str | None = None,
                   held_outputs: frozenset[int] | None = None, autocast: bool = False,
@@ -281,7 +268,7 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
             if s in allocated and s not in mutated and trace.storages[s].allocated_by < op.index:
                 mutated[s] = op.name
 
-    stop = _early_stop(trace, ops, tail.closed)
+    stop = trace.early_stop(call.first_op, tail.end_op, tail.closed)
     seconds = {op.index: op_seconds(op, trace, clock) for op in ops if op.index <= stop}
     calls_seen: dict[str, int] = {}
     calls = []

@@ -22,8 +22,9 @@ the previous block is checkpointed its `saved_bytes` drop out, so the input of a
 segment is counted nowhere; the caller's closed loop (re-estimate, tighten the budget) absorbs that.
 
 The cost is Σ flops (objective "flops", ties broken by seconds: a LayerNorm costs no FLOPs but is not free
-to recompute) or Σ seconds (objective "seconds") over checkpointed blocks; both totals are reported whichever
-is minimised. When no selection fits, a solver says so (feasible=False) and returns the selection with the
+to recompute) or Σ seconds (objective "seconds") over checkpointed blocks, less what each segment's
+recomputation does not run (past non-reentrant checkpointing's early stop: a segment ending in a Linear
+does not run its matmul again); both totals are reported whichever is minimised. When no selection fits, a solver says so (feasible=False) and returns the selection with the
 smallest modelled peak, the cheapest among those.
 
 Nested candidates (a module, its submodules, runs of its children) are a chain too: the blocks are then the
@@ -68,6 +69,10 @@ class Block:
     flops: int  # forward FLOPs = recompute cost in FLOPs
     seconds: float = 0.0  # estimated recompute time on the target GPU (roofline)
     group: str = ""  # consecutive blocks with the same non-empty group may share one segment
+    # of those, what a segment ending with this block does not recompute: its ops past the checkpoint's
+    # early stop (memplan.trace.Trace.early_stop), such as a last Linear's matmul
+    spared_flops: int = 0
+    spared_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,8 @@ class Span:
     `paths` (one module, or a run of siblings), keeping `input_bytes` as its boundary. `saved_bytes` is what
     checkpointing it frees and its recomputation brings back; None: Σ saved_bytes of its blocks. `calls`:
     how many times per forward its module runs; checkpointed, it is recomputed at every one of them,
-    wherever the solver picks it, so its cost counts that many times (calls alike)."""
+    wherever the solver picks it, so its cost counts that many times (calls alike). `spared_*`: what its
+    recomputation does not run of its blocks' cost (as Block's)."""
 
     first: int
     last: int
@@ -84,6 +90,8 @@ class Span:
     paths: tuple[str, ...]
     saved_bytes: int | None = None
     calls: int = 1
+    spared_flops: int = 0
+    spared_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,8 @@ class ChainProblem:
             return self.spans
         ends = _run_ends(self.blocks)
         return tuple(
-            Span(first, last, self.blocks[first].input_bytes, tuple(b.path for b in self.blocks[first : last + 1]))
+            Span(first, last, self.blocks[first].input_bytes, tuple(b.path for b in self.blocks[first : last + 1]),
+                 spared_flops=self.blocks[last].spared_flops, spared_seconds=self.blocks[last].spared_seconds)
             for first in range(len(self.blocks))
             for last in range(first, ends[first] + 1)
         )
@@ -150,18 +159,27 @@ def _check_paths_and_bytes(units: Sequence[Block], fixed_bytes: int, budget_byte
 # The chain model: segments are index spans (first, last), inclusive
 
 
-def _costs(units: Sequence[Block], objective: str) -> list[float]:
+def _cost_of(units: Sequence[Block], objective: str) -> Callable[[int, float], float]:
+    """The solvers' cost of (flops, seconds) in a chain of `units`."""
     if objective not in OBJECTIVES:
         raise BadInput(f"unknown objective {objective!r}; expected one of: {', '.join(OBJECTIVES)}")
     if objective == "seconds":
-        return [u.seconds for u in units]
+        return lambda flops, seconds: seconds
     # FLOPs, in units that keep the total below 2^32, plus the seconds in 2^-20ths of a unit, summing to less
     # than one unit: the seconds only break ties, and every sum is exact in floating point (52 bits), so
     # ties are real ties
     unit = 2 ** max(0, math.ceil(math.log2(sum(u.flops for u in units) + 1)) - 32)
     total_seconds = sum(u.seconds for u in units)
-    ticks = [round(u.seconds / total_seconds * 2**19) if total_seconds else 0 for u in units]
-    return [round(u.flops / unit) + tick / 2**20 for u, tick in zip(units, ticks)]
+    return lambda flops, seconds: round(flops / unit) + (round(seconds / total_seconds * 2**19) if total_seconds else 0) / 2**20
+
+
+def _span_costs(problem: ChainProblem, objective: str) -> dict[tuple[int, int], float]:
+    """What recomputing each allowed span costs: its blocks' cost, less what its early stop spares, at
+    each of its calls."""
+    cost = _cost_of(problem.blocks, objective)
+    sums = [0.0, *itertools.accumulate(cost(b.flops, b.seconds) for b in problem.blocks)]
+    return {(s.first, s.last): max(0.0, sums[s.last + 1] - sums[s.first] - cost(s.spared_flops, s.spared_seconds)) * s.calls
+            for s in problem.allowed_spans}
 
 
 def _run_ends(blocks: Sequence[Block]) -> list[int]:
@@ -198,8 +216,10 @@ def _chain_solution(
         segments=tuple(s.paths for s in chosen_spans),
         feasible=peak <= problem.budget_bytes,
         modelled_peak_bytes=peak,
-        recompute_flops=sum(b.flops * s.calls for s in chosen_spans for b in problem.blocks[s.first : s.last + 1]),
-        recompute_seconds=sum(b.seconds * s.calls for s in chosen_spans for b in problem.blocks[s.first : s.last + 1]),
+        recompute_flops=sum((sum(b.flops for b in problem.blocks[s.first : s.last + 1]) - s.spared_flops) * s.calls
+                            for s in chosen_spans),
+        recompute_seconds=sum((sum(b.seconds for b in problem.blocks[s.first : s.last + 1]) - s.spared_seconds) * s.calls
+                              for s in chosen_spans),
         solve_seconds=time.perf_counter() - started,
         optimality_gap=optimality_gap,
     )
@@ -223,7 +243,7 @@ def solve_chain_dp(problem: ChainProblem, objective: str = "flops", deadline: fl
     the Lagrangian search met. Both are vectorised DPs over every threshold for the largest segment.
     """
     started = time.perf_counter()
-    costs = _costs(problem.blocks, objective)
+    costs = _span_costs(problem, objective)
     if not problem.blocks:
         return _chain_solution(problem, "optimal-dp", (), started, optimality_gap=0.0)
     chain = _Chain(problem, costs)
@@ -271,22 +291,20 @@ class _Span:
 class _Chain:
     """The chain as the DP sees it: per-block numbers, and every segment each block may start or end."""
 
-    def __init__(self, problem: ChainProblem, costs: list[float]) -> None:
+    def __init__(self, problem: ChainProblem, costs: dict[tuple[int, int], float]) -> None:
         self.saved = [b.saved_bytes for b in problem.blocks]
-        self.costs = costs
         saved_sums = [0, *itertools.accumulate(self.saved)]
-        cost_sums = [0.0, *itertools.accumulate(costs)]
         spans = problem.allowed_spans
         # thresholds: 0 (no segment) and every distinct segment sum, sorted; a _Span's saved_index points here
         covered = [saved_sums[s.last + 1] - saved_sums[s.first] for s in spans]
         inside = [c if s.saved_bytes is None else s.saved_bytes for s, c in zip(spans, covered)]
         self.thresholds = sorted({0, *inside})
         index = {value: i for i, value in enumerate(self.thresholds)}
-        self.segments: list[list[_Span]] = [[] for _ in costs]  # by first block
-        self.ending: list[list[_Span]] = [[] for _ in costs]  # by last block
+        self.segments: list[list[_Span]] = [[] for _ in problem.blocks]  # by first block
+        self.ending: list[list[_Span]] = [[] for _ in problem.blocks]  # by last block
         self.by_ends: dict[tuple[int, int], _Span] = {}
         for span, saved, held in zip(spans, inside, covered):
-            cost = (cost_sums[span.last + 1] - cost_sums[span.first]) * span.calls
+            cost = costs[(span.first, span.last)]
             boundary = span.input_bytes + held - saved
             chain_span = _Span(span.first, span.last, span.input_bytes, boundary, saved, cost, index[saved])
             self.segments[span.first].append(chain_span)
@@ -517,7 +535,7 @@ def solve_milp(problem: ChainProblem, objective: str = "flops", deadline: float 
     except ImportError:
         raise BadInput("the MILP solver needs scipy: pip install scipy") from None
     started = time.perf_counter()
-    spans, items, base = _chain_items(problem, _costs(problem.blocks, objective))
+    spans, items, base = _chain_items(problem, _span_costs(problem, objective))
     if not items:
         return _chain_solution(problem, "milp", [], started, 0.0)
     m = len(items)
@@ -592,7 +610,7 @@ def highs_stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _chain_items(problem: ChainProblem, costs: list[float]) -> tuple[list[tuple[int, int]], list[_Item], int]:
+def _chain_items(problem: ChainProblem, costs: dict[tuple[int, int], float]) -> tuple[list[tuple[int, int]], list[_Item], int]:
     spans, items = [], []
     for span in _Chain(problem, costs).by_ends.values():
         spans.append((span.first, span.last))
@@ -670,7 +688,7 @@ def brute_force(problem: ChainProblem, objective: str = "flops", deadline: float
     n = len(blocks)
     if n > BRUTE_FORCE_MAX_BLOCKS:
         raise BadInput(f"brute force takes at most {BRUTE_FORCE_MAX_BLOCKS} blocks, got {n}")
-    costs = _costs(blocks, objective)
+    costs = _span_costs(problem, objective)
     starting: list[list[Span]] = [[] for _ in blocks]
     for span in problem.allowed_spans:
         starting[span.first].append(span)
@@ -691,7 +709,7 @@ def brute_force(problem: ChainProblem, objective: str = "flops", deadline: float
         for span in starting[k]:
             saved = _freed([b.saved_bytes for b in blocks], span)
             held = sum(b.saved_bytes for b in blocks[span.first : span.last + 1]) - saved  # saved inside, not freed
-            extra = sum(costs[span.first : span.last + 1]) * span.calls
+            extra = costs[(span.first, span.last)]
             visit(span.last + 1, mem + span.input_bytes + held, max(largest, saved), cost + extra, (*spans, (k, span.last)))
 
     visit(0, 0, 0, 0.0, ())

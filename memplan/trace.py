@@ -323,6 +323,17 @@ class Trace:
     saved_at: dict[int, tuple[int, ...]] = field(default_factory=dict)
     parameters: frozenset[int] = frozenset()  # the storages of the model's parameters (not its buffers)
 
+    def early_stop(self, first_op: int, end_op: int, closed: int) -> int:
+        """The last of ops [first_op, end_op), a checkpointed segment's forward whose last module closed at
+        `closed`, that recomputation runs again (first_op - 1: none). Non-reentrant checkpointing stops
+        at the last tensor the forward saved for backward. An op saves its inputs before it runs (mm: a
+        segment ending in a Linear runs its matmul no more) and its outputs after (relu, layer norm's
+        statistics: it runs); a save is counted at the op recorded before it, so one counted at the last
+        op is that op's own only if made before its module closed."""
+        last = end_op - 1
+        return max((i for i in range(first_op, end_op) if self.saved_tensors.get(i)
+                    and (i < last or self.first_save_clock.get(i, closed) <= closed)), default=first_op - 1)
+
     @functools.cached_property
     def stateful_modules(self) -> dict[str, str]:
         """Modules that change an attribute of theirs at every call (ModuleCall.keeps), path -> attribute:

@@ -16,7 +16,7 @@ from memplan.cpu_calibration import measure_cpu_model
 from memplan.emit import apply_plan
 from memplan.estimate import estimate, estimate_and_trace
 from memplan.plan import Plan, Segment
-from memplan.planner import plan_checkpoints
+from memplan.planner import candidate_blocks, plan_checkpoints
 from memplan.replay import estimate_replayed
 from memplan.selective import (
     RESIDUE_CELL,
@@ -187,7 +187,7 @@ def test_call_positions_follow_the_forward():
 
 
 def test_planned_call_level_plan_is_exact_and_measured_as_predicted():
-    workload = _gpt(n_layer=3)
+    workload = _gpt(n_layer=2)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.6 * unplanned.peak_bytes)
     result = plan_selective(workload, CONFIG, budget, device="cpu", processor=GPU)
@@ -223,7 +223,7 @@ def test_a_block_level_plan_that_a_selective_fit_beats_is_never_estimated():
     """The default baseline, the block-level plan, is only worth the estimator's run where it might
     cost less than a selective plan that fits. Here one beats it in FLOPs and GPU time by the replay:
     the estimator never runs on it, and the plan is the one it would be with that run."""
-    workload = _gpt(n_layer=3)
+    workload = _gpt(n_layer=2)
     unplanned, _ = estimate_and_trace(workload, CONFIG, "cpu")
     budget = int(0.6 * unplanned.peak_bytes)
     cache = EstimateCache()
@@ -669,7 +669,7 @@ def _recomputed_flops(model: nn.Module, inputs: tuple, index: int) -> int:
 
 
 def test_full_recompute_is_priced_up_to_the_checkpoint_early_stop():
-    """Non-reentrant checkpointing recomputes a segment's forward only up to the last tensor it saved
+    """Both planners: non-reentrant checkpointing recomputes a segment's forward only up to the last tensor it saved
     for backward: a block ending in a Linear (whose matmul saves its input before it runs) does not run
     that matmul again, one whose Linear feeds a product or a tanh does. Each block's full-recompute
     FLOPs equal what torch's flop counter counts in real steps with it checkpointed, and no op past the
@@ -679,8 +679,9 @@ def test_full_recompute_is_priced_up_to_the_checkpoint_early_stop():
     _, trace = estimate_and_trace(workload, CONFIG, "cpu")
     _, profiles = profile_blocks(trace, "cpu", time_model(GPU), "flops")
     full = {p.path: next(q.flops for q in p.policies if q.name == "full") for p in profiles}
+    block_level = {b.path: b.flops - b.spared_flops for b in candidate_blocks(trace).blocks}
     measured = {str(i): _recomputed_flops(model, inputs, i) for i in range(len(model))}
-    assert full == measured
+    assert full == measured and block_level == measured
     assert measured["0"] < sum(op.flops for op in trace.ops if op.module.startswith("0.") and op.phase == "forward"
                                and op.step == 0)  # the early stop spares something
     offered = {c.module for p in profiles for c in p.calls}

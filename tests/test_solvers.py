@@ -32,14 +32,18 @@ def random_chain(rng: random.Random, n: int, max_group: int, budget_fraction: fl
         run = min(rng.randint(1, max_group), n - len(blocks))
         group = f"g{len(blocks)}" if run > 1 else ""
         for _ in range(run):
+            flops, seconds = rng.randint(0, 100), rng.random()
             blocks.append(
                 Block(
                     path=f"b{len(blocks)}",
                     input_bytes=rng.randint(1, 40),
                     saved_bytes=rng.randint(0, 100),
-                    flops=rng.randint(0, 100),
-                    seconds=rng.random(),
+                    flops=flops,
+                    seconds=seconds,
                     group=group,
+                    # some blocks end in ops their segment's recomputation stops before (a last Linear)
+                    spared_flops=rng.choice([0, rng.randint(0, flops)]),
+                    spared_seconds=rng.choice([0.0, rng.random() * seconds]),
                 )
             )
     activations = sum(b.saved_bytes for b in blocks)
@@ -77,8 +81,9 @@ def check_solution(problem: ChainProblem, solution) -> None:
         if len(segment) > 1:
             assert groups[segment[0]] and len({groups[path] for path in segment}) == 1
     chosen = [b for b in problem.blocks if b.path in set(covered)]
-    assert solution.recompute_flops == sum(b.flops for b in chosen)
-    assert solution.recompute_seconds == pytest.approx(sum(b.seconds for b in chosen))
+    ending = [b for b in problem.blocks if b.path in {segment[-1] for segment in solution.segments}]
+    assert solution.recompute_flops == sum(b.flops for b in chosen) - sum(b.spared_flops for b in ending)
+    assert solution.recompute_seconds == pytest.approx(sum(b.seconds for b in chosen) - sum(b.spared_seconds for b in ending))
     assert solution.modelled_peak_bytes == model_peak(problem, solution.segments)
     assert solution.feasible == (solution.modelled_peak_bytes <= problem.budget_bytes)
 
@@ -229,10 +234,12 @@ def random_spans_problem(rng: random.Random, n: int) -> ChainProblem:
     blocks = tuple(Block(f"b{i}", 0, rng.randint(0, 100), rng.randint(0, 100), rng.random()) for i in range(n))
     ends = {(first, rng.randint(first, min(n - 1, first + 4))) for first in rng.choices(range(n), k=rng.randint(0, 2 * n))}
     spans = tuple(
-        # some spans free less than their blocks save (an output that a later op keeps)
+        # some spans free less than their blocks save (an output that a later op keeps), and some recompute
+        # less than their blocks (ops past the early stop)
         Span(first, last, rng.randint(1, 40), (f"s{first}-{last}",),
              rng.choice([None, rng.randint(0, sum(b.saved_bytes for b in blocks[first : last + 1]))]),
-             rng.choice([1, 1, 2, 3]))  # a module called 2 or 3 times is recomputed at every call
+             rng.choice([1, 1, 2, 3]),  # a module called 2 or 3 times is recomputed at every call
+             rng.choice([0, rng.randint(0, sum(b.flops for b in blocks[first : last + 1]))]))
         for first, last in sorted(ends)
     )
     activations = sum(b.saved_bytes for b in blocks)
@@ -261,9 +268,9 @@ def test_dp_and_milp_on_explicit_spans_match_brute_force():
                        for i in range(span.first, span.last + 1)]
             assert len(covered) == len(set(covered))  # chosen spans never overlap
             assert solution.modelled_peak_bytes == spans_peak(problem, solution.segments)
-            calls = {i: span.calls for segment in solution.segments for span in problem.spans if span.paths == segment
-                     for i in range(span.first, span.last + 1)}
-            assert solution.recompute_flops == sum(problem.blocks[i].flops * calls[i] for i in covered)
+            chosen = [span for segment in solution.segments for span in problem.spans if span.paths == segment]
+            assert solution.recompute_flops == sum(
+                (sum(b.flops for b in problem.blocks[s.first : s.last + 1]) - s.spared_flops) * s.calls for s in chosen)
             assert outcome(solution) == outcome(reference), problem
 
 
