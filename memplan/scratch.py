@@ -859,8 +859,8 @@ def _is_mixed(x: torch.Tensor, *params: Any) -> bool:
 @scratch_rule("cpu", aten.native_batch_norm.default, aten._native_batch_norm_legit.default)
 def _batch_norm(args: tuple, kwargs: dict, out: Any) -> int:
     """aten/src/ATen/native/Normalization.cpp batch_norm_cpu -> batch_norm_cpu_update_stats_template
-    (training, contiguous input): `_mean` and `_var_sum` (C each, in float32 for a mixed-type call,
-    else the input dtype) while batch_norm_cpu_collect_stats_kernel runs, whose channels-last
+    (training, contiguous input): `_mean` and `_var_sum` (C each, in float32 for a mixed-type call or
+    an fp16 input, whatever its parameters' dtype, else the input dtype: measured) while batch_norm_cpu_collect_stats_kernel runs, whose channels-last
     implementation (batch_norm_kernel.cpp batch_norm_cpu_collect_stats_channels_last_internal) adds a
     {num_threads, C} float buffer: always for reduced precision, for float32/64 when
     N*H*W > num_threads. Then batch_norm_cpu_transform_input_template -> batch_norm_cpu_kernel:
@@ -868,7 +868,7 @@ def _batch_norm(args: tuple, kwargs: dict, out: Any) -> int:
     x, weight, bias, running_mean, running_var, training = args[:6]
     channels = x.shape[1] if x.dim() > 1 else 1
     mixed = _is_mixed(x, weight, bias, running_mean, running_var)
-    stat = 4 if mixed else _itemsize(x.dtype)
+    stat = 4 if mixed or x.dtype == torch.float16 else _itemsize(x.dtype)  # fp16's in float32 even unmixed
     alpha_beta = 2 * channels * _itemsize(_opmath(x.dtype))
     if not training or not _dense(x):
         return alpha_beta if _dense(x) else 0

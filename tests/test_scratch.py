@@ -139,6 +139,10 @@ BN_CASES = [
     ((3, 16, 1, 1), False, torch.float32, torch.float32),  # NC11 takes the channels-last kernel
     ((2, 16, 8, 8), True, BF16, BF16),
     ((2, 128, 1, 1), False, BF16, torch.float32),  # mixed type, as under autocast
+    ((2, 16, 8, 8), False, torch.float16, torch.float16),  # fp16 keeps float32 statistics even unmixed
+    ((2, 16, 8, 8), True, torch.float16, torch.float16),
+    ((3, 16, 1, 1), False, torch.float16, torch.float16),
+    ((2, 16, 8, 8), True, torch.float16, torch.float32),
 ]
 
 
