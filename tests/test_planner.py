@@ -354,9 +354,10 @@ def test_cuda_plans_recompute_with_the_same_attention_kernel():
 
 def test_selective_plan_from_the_cli_keeps_named_ops():
     # priced on a CUDA GPU's roofline (on the CPU's time model a policy's host time outweighs what
-    # keeping outputs saves at this size, see test_selective)
+    # keeping outputs saves at this size, see test_selective), at a budget where a selective plan beats
+    # the block-level one (at a quarter of the activations, the block-level plan is the cheapest)
     unplanned = estimate(_gpt(), CONFIG, device="cuda")
-    budget = int(unplanned.peak_bytes - 0.25 * unplanned.breakdown.activations)
+    budget = int(unplanned.peak_bytes - 0.5 * unplanned.breakdown.activations)
     options = [f"--set={k}={v}" for k, v in {**TINY_OVERRIDES["gpt2"], "n_layer": 6}.items()]
     result = runner.invoke(app, ["plan", "gpt2", "-b", "4", *options, "--budget", str(budget), "--device", "cuda",
                                  "-o", "sgd", "--selective", "--json"])

@@ -647,9 +647,9 @@ def _early_stop_chain(batch_size: int = 16) -> tuple[nn.Module, tuple]:
     return chain, (torch.randn(batch_size, 8, 32),)
 
 
-def _recomputed_flops(model: nn.Module, inputs: tuple, index: int) -> int:
+def _recomputed_flops(model: nn.Module, inputs: tuple, index: int, autocast: torch.dtype | None = None) -> int:
     """FLOPs torch.utils.flop_counter counts in a real step with block `index` checkpointed, less those of
-    the step without."""
+    the step without (`autocast`: the forward under CPU autocast to that dtype)."""
     from torch.utils.checkpoint import checkpoint
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -660,7 +660,9 @@ def _recomputed_flops(model: nn.Module, inputs: tuple, index: int) -> int:
             block.forward = lambda x: checkpoint(original, x, use_reentrant=False)
         try:
             with FlopCounterMode(display=False) as counter:
-                model(*inputs).sum().backward()
+                with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                    loss = model(*inputs).float().sum()
+                loss.backward()
         finally:
             block.forward = original
         return counter.get_total_flops()
@@ -686,3 +688,22 @@ def test_full_recompute_is_priced_up_to_the_checkpoint_early_stop():
                                and op.step == 0)  # the early stop spares something
     offered = {c.module for p in profiles for c in p.calls}
     assert "0.down" not in offered and "2.value" in offered
+
+
+def test_full_recompute_under_autocast_is_priced_up_to_the_checkpoint_early_stop():
+    """As above, under autocast (amp-bf16 on the CPU): a Linear's matmul now saves the bf16 copies that
+    autocast's casts made just before it, so the early stop falls after the casts and still before the
+    matmul; the casts themselves cost no FLOPs. Both planners' full-recompute FLOPs equal torch's flop
+    counter on real autocast steps."""
+    model, inputs = _early_stop_chain()
+    workload = Workload("early_stop_chain", _early_stop_chain, 16, {})
+    config = StepConfig(precision="amp-bf16", optimizer="sgd", steps=2)
+    _, trace = estimate_and_trace(workload, config, "cpu")
+    assert any(op.name == "aten._to_copy.default" and op.module == "0.down" for op in trace.ops)  # autocast's casts
+    _, profiles = profile_blocks(trace, "cpu", time_model(GPU), "flops", autocast=True)
+    full = {p.path: next(q.flops for q in p.policies if q.name == "full") for p in profiles}
+    block_level = {b.path: b.flops - b.spared_flops for b in candidate_blocks(trace).blocks}
+    measured = {str(i): _recomputed_flops(model, inputs, i, torch.bfloat16) for i in range(len(model))}
+    assert full == measured and block_level == measured
+    assert measured["0"] < sum(op.flops for op in trace.ops if op.module.startswith("0.") and op.phase == "forward"
+                               and op.step == 0)
