@@ -116,7 +116,7 @@ OBJECTIVES = ("seconds", "flops")
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 3
 VERIFICATIONS = 4  # searches, each checked by the estimator (memplan.closed_loop.verified_search)
-BLEND_ROUNDS = 4  # bisections of a blend of seconds and FLOPs, where no plan found beats a baseline in both
+BLEND_ROUNDS = 4  # blends of seconds and FLOPs tried, where no plan found beats a baseline in both
 # The DP's forward residues (autocast's casts of the weights, a few per block, held until the forward
 # ends) are judged in cells this many times coarser than the rest: its states multiply with their levels
 # (llama2-7b's sub-block chain: 5.6 s a solve, against 83 s for its whole blocks in fine cells). Every
@@ -942,8 +942,8 @@ def plan_selective(
     The plan must fit the budget by the estimator, as the block-level planner's does. `baselines`: plans
     of other planners re-estimated alongside; the plan returned recomputes no more than any of them that
     fits, in FLOPs and in seconds (at worst it is that baseline; where the plans least in `objective`
-    are dearer than a baseline in the other measure, a blend of the two measures is bisected for one that
-    is not, BLEND_ROUNDS times). None: the block-level planner's plan
+    are dearer than a baseline in the other measure, blends of the two measures are tried for one that is
+    not, up to BLEND_ROUNDS). None: the block-level planner's plan
     (memplan.planner.plan_checkpoints, in the time left), whose candidates (modules at any depth) the
     selective chain does not all have. `time_limit_s`: once past it, the closed loop stops at the first
     plan that fits (or when it gives up), skipping the block-level loop, the bisection, the default
