@@ -632,10 +632,12 @@ def test_an_output_never_replaces_the_plan_it_comes_from(tmp_path):
 
 def test_a_selective_plan_file_reads_back_into_a_module(tmp_path):
     plan_path, module = tmp_path / "plan.json", tmp_path / "ckpt.py"
-    # for a CUDA GPU: priced on its roofline, keeping op outputs pays off at this size (on the CPU, not)
+    # for a CUDA GPU: priced on its roofline, keeping op outputs pays off at this size (on the CPU, not),
+    # at a budget where a selective plan beats the block-level one (at a quarter of the activations cut,
+    # the block-level plan is the cheapest)
     options = {**TINY_OVERRIDES["gpt2"], "n_layer": 6}
     unplanned = estimate(resolve_workload("gpt2", 4, options), StepConfig(optimizer="sgd"), "cuda")
-    budget = int(unplanned.peak_bytes - 0.25 * unplanned.breakdown.activations)
+    budget = int(unplanned.peak_bytes - 0.5 * unplanned.breakdown.activations)
     result = runner.invoke(app, ["plan", "gpt2", "-b", "4", *(f"--set={k}={v}" for k, v in options.items()), "-o", "sgd",
                                  "--device", "cuda", "--selective", "--budget", str(budget), "--out", str(plan_path),
                                  "--json"])
