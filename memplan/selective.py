@@ -1138,12 +1138,14 @@ def _plan_selective(
              {b.plan.segments for b in external}]
     if len(feasible_baselines) == 1 and found and not any(beats_baselines(r) for r in found) and in_time():
         baseline = feasible_baselines[0].plan
-        measure = (lambda r: (r.plan.recompute_seconds / max(base_seconds, 1e-30),
-                              r.plan.recompute_flops / max(unplanned.step_flops, 1)))
-        # (seconds, FLOPs) as fractions of the step's: `fast` recomputes more FLOPs than the baseline
-        fast = min(measure(r) for r in found if r.plan.recompute_flops > baseline.recompute_flops) \
-            if any(r.plan.recompute_flops > baseline.recompute_flops for r in found) else None
-        lean = (baseline.recompute_seconds / max(base_seconds, 1e-30), baseline.recompute_flops / max(unplanned.step_flops, 1))
+
+        def point(r: Outcome) -> tuple[float, float]:
+            """(seconds, FLOPs) as fractions of the unplanned step's, as `blended` weighs them."""
+            return r.plan.recompute_seconds / max(base_seconds, 1e-30), r.plan.recompute_flops / max(unplanned.step_flops, 1)
+
+        # `fast`: the quickest plan found that recomputes more FLOPs than the baseline; `lean`: the baseline
+        dearer = [point(r) for r in found if r.plan.recompute_flops > baseline.recompute_flops]
+        fast, lean = (min(dearer) if dearer else None), point(feasible_baselines[0])
         for _ in range(BLEND_ROUNDS if fast is not None else 0):
             if not in_time() or fast[1] <= lean[1] or lean[0] <= fast[0]:
                 break
@@ -1155,13 +1157,13 @@ def _plan_selective(
                     break
             if plan is None:
                 break
-            point = measure(plan)
-            if point in (fast, lean):  # no vertex between the two
+            vertex = point(plan)
+            if vertex in (fast, lean):  # no vertex between the two
                 break
             if plan.plan.recompute_flops > baseline.recompute_flops:
-                fast = point
+                fast = vertex
             else:
-                lean = point
+                lean = vertex
 
     solutions = {segments: r.solution for segments, r in searched.items()}
     realised = [Outcome(plan, planned, solutions.get(segments)) for segments, (plan, planned) in estimated.items()]
