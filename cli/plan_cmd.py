@@ -68,9 +68,9 @@ MethodOpt = Annotated[
 ]
 
 
-# Past this, --selective stops refining its search (a 7B model's chain of sub-blocks takes 5-6 s a solve)
-# and checks the best plan so far with the estimator (a re-trace: seconds for a 7B model); a plan that
-# fits within half a minute beats a slightly cheaper one later.
+# Past this, counted from the start (llama2-7b's unplanned trace alone takes 11-12 s), --selective
+# stops refining its search and checks the best plan so far with the estimator (a re-trace, as long); a
+# plan that fits within half a minute beats a slightly cheaper one later.
 SELECTIVE_TIME_LIMIT_S = 10.0
 # The same for the block-level planner, whose bisection solves the chain a dozen times (seconds each for
 # a 7B model's modules at every depth).

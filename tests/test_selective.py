@@ -19,11 +19,15 @@ from memplan.plan import Plan, Segment
 from memplan.planner import candidate_blocks, plan_checkpoints
 from memplan.replay import estimate_replayed
 from memplan.selective import (
+    COARSE_GRID,
     RESIDUE_CELL,
     BlockProfile,
+    Cost,
     Policy,
+    _chain_dp,
     _forward_residues,
     _modelled_holds,
+    _options,
     _undominated,
     plan_overhead,
     plan_selective,
@@ -362,6 +366,36 @@ def test_dp_with_a_coarse_resolution_reports_a_true_gap():
         assert best >= solution.recompute_seconds * (1 - solution.optimality_gap) - 1e-12
         exact = solve_selective_chain(blocks, 0, room, resolution=1)
         assert exact.recompute_seconds == pytest.approx(best) and exact.optimality_gap == 0.0
+
+
+def test_the_dp_ceiling_changes_neither_the_chain_found_nor_its_cost():
+    """solve_selective_chain solves first on cells COARSE_GRID times larger, and that chain's cost is a
+    ceiling for the fine DP. On a chain with many states per boundary and a grid coarser than a byte,
+    the fine DP with the ceiling finds the very chain the DP without one finds, exploring fewer states."""
+    import random
+
+    rng = random.Random(3)
+    blocks = []
+    for i in range(16):
+        keep = rng.randint(800, 1000) * 1000
+        policies = [Policy("keep", (), keep, 0, 0, 0.0, checkpointed=False)]
+        for k in range(5):
+            held = rng.randint(50, keep // 1000) * 1000
+            policies.append(Policy(f"p{k}", ("x",), held, keep - held, rng.randint(1, 100), rng.uniform(0.1, 1.0)))
+        blocks.append(_block(f"b{i}", policies))
+    options, cost = _options(blocks), Cost.of("seconds")
+    total = sum(b.activation_bytes for b in blocks)
+    for room in (total // 3, total // 2, 2 * total // 3):
+        resolution = room // 1024
+        plain = _chain_dp(options, room, cost, resolution, 0)
+        coarse = _chain_dp(options, room, cost, resolution * COARSE_GRID, 0)
+        assert plain is not None and coarse is not None and coarse[0] >= plain[0]
+        ceiled = _chain_dp(options, room, cost, resolution, 0, coarse[0])
+        assert ceiled[:3] == plain[:3]
+        assert [(start, o.policy.name, o.end) for start, o in ceiled[3]] == [(start, o.policy.name, o.end) for start, o in plain[3]]
+        assert ceiled[4] < plain[4]
+        solved = solve_selective_chain(blocks, 0, room, resolution=resolution)
+        assert solved.recompute_seconds == pytest.approx(plain[0]) and solved.modelled_peak_bytes == max(plain[1:3])
 
 
 @pytest.mark.parametrize("by_peak", [False, True])
