@@ -117,7 +117,8 @@ OBJECTIVES = ("seconds", "flops")
 CLOSED_LOOP_ROUNDS = 8
 BISECTION_ROUNDS = 3
 VERIFICATIONS = 4  # searches, each checked by the estimator (memplan.closed_loop.verified_search)
-BLEND_ROUNDS = 4  # blends of seconds and FLOPs tried, where no plan found beats a baseline in both
+BLEND_ROUNDS = 6  # blends of seconds and FLOPs tried, where no plan found beats a baseline in both
+MIN_SHARE_STEP = 1e-3  # the walk stops where the shares left to try are closer than this
 # The DP's forward residues (autocast's casts of the weights, a few per block, held until the forward
 # ends) are judged in cells this many times coarser than the rest: its states multiply with their levels
 # (llama2-7b's sub-block chain, before the DP's ceiling: 5.6 s a solve, against 83 s in fine cells). Every
@@ -1145,6 +1146,8 @@ def _plan_selective(
     # FLOPs). Walk the lower hull of (seconds, FLOPs) between the cheapest plan found in the objective and
     # the baseline: solve for the blend at which the two cost the same, and replace whichever side the
     # plan found falls on, until one is at or below the baseline in both (the Lagrangian's breakpoints).
+    # The DP prices plans by its model and the ends are replayed, so a solve may return an end again
+    # where the two disagree: the shares that gave each side bracket the next, halved in that case.
     feasible_baselines = [b for b in external if b.plan.feasible]
     found = [Outcome(r, p, None) for r, p in estimated.values() if r.feasible and r.segments not in
              {b.plan.segments for b in external}]
@@ -1158,10 +1161,13 @@ def _plan_selective(
         # `fast`: the quickest plan found that recomputes more FLOPs than the baseline; `lean`: the baseline
         dearer = [point(r) for r in found if r.plan.recompute_flops > baseline.recompute_flops]
         fast, lean = (min(dearer) if dearer else None), point(feasible_baselines[0])
+        low, high = 0.0, 1.0  # shares known to solve to a plan on the fast side and on the lean side
         for _ in range(BLEND_ROUNDS if fast is not None else 0):
-            if not in_time() or fast[1] <= lean[1] or lean[0] <= fast[0]:
+            if not in_time() or fast[1] <= lean[1] or lean[0] <= fast[0] or high - low < MIN_SHARE_STEP:
                 break
             share = (lean[0] - fast[0]) / ((lean[0] - fast[0]) + (fast[1] - lean[1]))  # equal blended costs
+            if not low < share < high:  # the DP's model and the replay disagree at the ends: halve the bracket
+                share = (low + high) / 2
             plan = blended(share)
             if plan is not None and beats_baselines(plan):  # by replay: the estimator's figures decide
                 plan = Outcome(*realise(plan.plan), plan.solution)
@@ -1169,13 +1175,10 @@ def _plan_selective(
                     break
             if plan is None:
                 break
-            vertex = point(plan)
-            if vertex in (fast, lean):  # no vertex between the two
-                break
             if plan.plan.recompute_flops > baseline.recompute_flops:
-                fast = vertex
+                fast, low = point(plan), share
             else:
-                lean = vertex
+                lean, high = point(plan), share
 
     solutions = {segments: r.solution for segments, r in searched.items()}
     realised = [Outcome(plan, planned, solutions.get(segments)) for segments, (plan, planned) in estimated.items()]

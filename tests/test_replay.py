@@ -10,6 +10,7 @@ from memplan.estimate import estimate_and_trace
 from memplan.plan import Plan, Segment
 from memplan.replay import estimate_replayed
 from memplan.step import StepConfig
+from memplan.timing import op_seconds, step_seconds, time_model
 from memplan.verify import measure
 from memplan.workload import Workload, resolve_workload
 from models import TINY_OVERRIDES
@@ -56,6 +57,27 @@ def test_replayed_peak_and_flops_equal_the_estimators(name, segments, off):
     assert abs(fast.peak_bytes - planned.peak_bytes) <= off
     assert abs(fast.phase_peaks["forward"] - planned.phase_peaks["forward"]) <= off
     assert flops == planned.step_flops - unplanned.step_flops > 0
+
+
+# Segments ending in dropout: its mask is allocated empty, then written in place (bernoulli_, div_)
+# and saved by the mul; recomputation runs up to that save, the in-place writes included.
+@pytest.mark.parametrize("name, segments", [
+    ("gpt2", (Segment(("h.0.mlp",)),)),
+    ("gpt2", (Segment(("h.0",), "selective", ("aten.addmm.default#0",)), Segment(("h.1", "h.2")))),
+    ("llama2-7b", (Segment(("layers.0",), "selective", ("aten.mm.default",)),)),
+])
+def test_replayed_recompute_time_is_the_estimators(name, segments):
+    """The ops the replay runs again, priced on a GPU roofline (host time costs nothing there), against
+    the estimator's planned step less the unplanned one."""
+    workload = _workload(name)
+    plan = _plan(workload, FP32, "cpu", *segments)
+    clock = time_model("h100", "fp32")
+    _, trace = estimate_and_trace(workload, FP32, "cpu")
+    _, replayed = estimate_replayed(workload, FP32, "cpu", trace, plan)
+    _, planned = estimate_and_trace(workload, FP32, "cpu", transform=lambda m: apply_plan(m, plan))
+    recomputed = step_seconds(planned, clock) - step_seconds(trace, clock)
+    assert recomputed > 0
+    assert sum(op_seconds(trace.ops[i], trace, clock) for i in replayed.recomputed_ops) == pytest.approx(recomputed, rel=1e-9)
 
 
 def test_replayed_peak_is_what_the_cpu_allocator_measures():
