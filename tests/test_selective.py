@@ -342,19 +342,25 @@ def test_dp_prefers_the_cheap_selective_policy_and_is_exact():
             assert solution.feasible and solution.recompute_seconds == pytest.approx(best)
 
 
+def _random_policies(rng, blocks: int, per_block: int, flops) -> list[list[Policy]]:
+    """Per block: keep all (800-1000 kB), and `per_block` policies holding a random part of it, their
+    FLOPs `flops()` and their seconds random."""
+    policies_per_block = []
+    for _ in range(blocks):
+        keep = rng.randint(800, 1000) * 1000
+        policies = [Policy("keep", (), keep, 0, 0, 0.0, checkpointed=False)]
+        for k in range(per_block):
+            held = rng.randint(50, keep // 1000) * 1000
+            policies.append(Policy(f"p{k}", ("x",), held, keep - held, flops(), rng.uniform(0.1, 1.0)))
+        policies_per_block.append(policies)
+    return policies_per_block
+
+
 def test_dp_with_a_coarse_resolution_reports_a_true_gap():
     import itertools
     import random
 
-    rng = random.Random(0)
-    policies_per_block = []
-    for _ in range(5):
-        keep = rng.randint(800, 1000) * 1000
-        policies = [Policy("keep", (), keep, 0, 0, 0.0, checkpointed=False)]
-        for k in range(4):
-            held = rng.randint(50, keep // 1000) * 1000
-            policies.append(Policy(f"p{k}", ("x",), held, keep - held, 1, rng.uniform(0.1, 1.0)))
-        policies_per_block.append(policies)
+    policies_per_block = _random_policies(random.Random(0), 5, 4, lambda: 1)
     blocks = [_block(f"b{i}", p) for i, p in enumerate(policies_per_block)]
 
     for room in (2_500_000, 3_000_000, 3_500_000):
@@ -375,14 +381,7 @@ def test_the_dp_ceiling_changes_neither_the_chain_found_nor_its_cost():
     import random
 
     rng = random.Random(3)
-    blocks = []
-    for i in range(16):
-        keep = rng.randint(800, 1000) * 1000
-        policies = [Policy("keep", (), keep, 0, 0, 0.0, checkpointed=False)]
-        for k in range(5):
-            held = rng.randint(50, keep // 1000) * 1000
-            policies.append(Policy(f"p{k}", ("x",), held, keep - held, rng.randint(1, 100), rng.uniform(0.1, 1.0)))
-        blocks.append(_block(f"b{i}", policies))
+    blocks = [_block(f"b{i}", p) for i, p in enumerate(_random_policies(rng, 16, 5, lambda: rng.randint(1, 100)))]
     options, cost = _options(blocks), Cost.of("seconds")
     total = sum(b.activation_bytes for b in blocks)
     for room in (total // 3, total // 2, 2 * total // 3):
