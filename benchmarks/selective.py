@@ -18,8 +18,8 @@ baseline, so each returns a plan that costs no more on its processor); the op-le
 (simulated time overhead, measured by its authors with their own cost model); the least any recompute
 plan needs (memplan.recompute_bound: FLOPs %, roofline GPU %, modelled CPU % without checkpointing's host
 time, each a proven lower bound on that measure); the planning time (all DP
-solves; a cold GPU-priced plan_selective call without baseline: estimator runs, the unplanned one
-included; how many plans the estimator ran on and how many memplan.replay replayed) and the DP's
+solves; a cold GPU-priced plan_selective call, its default baseline, the block-level planner's
+search, inside it: estimator runs, the unplanned one included; how many plans the estimator ran on and how many memplan.replay replayed) and the DP's
 optimality gap over its policy families. Where a plan does not fit, the line under the table gives
 the peak floor (memplan.planner.Floor) and whether it proves that no checkpoint plan can.
 

