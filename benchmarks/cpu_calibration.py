@@ -30,6 +30,8 @@ def main() -> None:
         ["matmul FLOP/s (fp32)", f"{model.flops_per_s:.3g}"],
         ["element-wise bytes/s", f"{model.bytes_per_s:.3g}"],
         ["host seconds per op", f"{model.seconds_per_op:.2g}"],
+        ["checkpoint: added seconds per segment (one call)", f"{model.checkpoint_seconds_per_segment:.2g}"],
+        ["selective checkpoint: added seconds per segment", f"{model.selective_seconds_per_segment:.2g}"],
         ["checkpoint: added seconds per saved tensor", f"{model.checkpoint_seconds_per_saved_tensor:.2g}"],
         ["selective checkpoint: added seconds per op", f"{model.selective_seconds_per_op:.2g}"],
         ["selective checkpoint: added seconds per kept op", f"{model.selective_seconds_per_kept_op:.2g}"],

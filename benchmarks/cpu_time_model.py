@@ -8,7 +8,7 @@ with memplan.timing.CPU's, measured on the CI machine.
 On the 6-layer GPT of benchmarks/selective.py (d 256, batch 8), each probe plan checkpoints one kind
 of segment in all six blocks: whole blocks, attention, MLP (full recompute), and the selective
 policies plan_selective chooses at 30-50% budgets. Per plan: what the model adds to the step, split
-into its terms (recomputed matmul FLOPs, element-wise bytes, host dispatch, checkpoint hooks per saved
+into its terms (recomputed matmul FLOPs, element-wise bytes, host dispatch, checkpoint calls and hooks per saved
 tensor, the selective policy's dispatch per op it sees and per op it keeps), and the measured extra seconds of one fp32 SGD step
 (the median over --runs rounds of planned - unplanned, the models taking turns).
 
@@ -62,10 +62,10 @@ def modelled_terms(trace, model) -> np.ndarray:
 
 
 def checkpoint_terms(trace, plan, model) -> np.ndarray:
-    """memplan.timing.plan_checkpoint_seconds in two: the hooks per saved tensor, and the selective policy's
-    dispatch (per op it sees and per op it keeps)."""
-    hooks = plan_checkpoint_seconds(trace, plan, replace(model, selective_seconds_per_op=0.0,
-                                                         selective_seconds_per_kept_op=0.0))
+    """memplan.timing.plan_checkpoint_seconds in two: the checkpoint calls and the hooks per saved tensor, and
+    the selective policy's share (per call, per op it sees and per op it keeps)."""
+    hooks = plan_checkpoint_seconds(trace, plan, replace(model, selective_seconds_per_segment=0.0,
+                                                         selective_seconds_per_op=0.0, selective_seconds_per_kept_op=0.0))
     return np.array([hooks, plan_checkpoint_seconds(trace, plan, model) - hooks])
 
 

@@ -10,6 +10,9 @@ Each is the median of `runs` timed calls after a warm-up, fp32, on torch's curre
 - checkpointing's host time, on chains of ops on a one-element tensor, whose kernels cost almost
   nothing (one interleaved set of runs, so that load on the machine hits every kind alike):
   - per op: a chain of multiplications run forward;
+  - per segment (one checkpoint call, as memplan.emit's runtime makes it): a chain of sin split into
+    SEGMENTS modules, each checkpointed alone, against the same modules in one module checkpointed
+    once, each less the same modules run plain; with a selective policy keeping nothing, the same;
   - per tensor autograd saves inside a checkpoint (its pack and unpack hooks): a chain of sin (each
     saves its input) checkpointed, less the plain chain and its recomputation;
   - per op a selective policy sees: the sin chain under a policy that recomputes every op, less the
@@ -29,11 +32,14 @@ from functools import partial
 from types import MappingProxyType
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from memplan.emit import checkpoint_segment
 from memplan.timing import CPU_NAME, TimeModel
 
 CHAIN_OPS = 400
+SEGMENTS = 100  # checkpoint calls the chain is split into, to price one
 
 
 def measure_cpu_model(runs: int = 15) -> TimeModel:
@@ -41,7 +47,8 @@ def measure_cpu_model(runs: int = 15) -> TimeModel:
     host = host_seconds(runs)
     return TimeModel(
         CPU_NAME, flops_per_s=matmul_flops_per_s(runs), bytes_per_s=elementwise_bytes_per_s(runs), serial=True,
-        seconds_per_op=host["op"], checkpoint_seconds_per_saved_tensor=host["saved tensor"],
+        seconds_per_op=host["op"], checkpoint_seconds_per_segment=host["segment"],
+        selective_seconds_per_segment=host["selective segment"], checkpoint_seconds_per_saved_tensor=host["saved tensor"],
         selective_seconds_per_op=host["selective op"], selective_seconds_per_kept_op=host["kept op"],
         seconds_per_output_byte=MappingProxyType(compute_heavy_seconds_per_byte(runs)),
         measured_on="this machine",
@@ -115,13 +122,37 @@ def _sines(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class _Sines(nn.Module):
+    def __init__(self, ops: int) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.ops):
+            x = torch.sin(x)
+        return x
+
+
+def _segments(count: int, saved_ops: tuple | None, checkpointed: bool) -> nn.Module:
+    """CHAIN_OPS sines in `count` modules, each checkpointed alone (saved_ops as emitted code passes them)."""
+    chain = nn.Sequential(*(_Sines(CHAIN_OPS // count) for _ in range(count)))
+    for module in chain if checkpointed else ():
+        checkpoint_segment([module], saved_ops)
+    return chain
+
+
 def _every_op(choice: CheckpointPolicy) -> Callable:
     return lambda: create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: choice)
 
 
 def host_seconds(runs: int) -> dict[str, float]:
-    """Host seconds: per op, per saved tensor in a checkpoint, per op a selective policy sees, per op it keeps."""
+    """Host seconds: per op, per checkpoint call (and more for a selective one), per saved tensor in a
+    checkpoint, per op a selective policy sees, per op it keeps."""
     x = torch.ones(1, requires_grad=True)
+    # one checkpoint call against SEGMENTS, plainly and with a selective policy that keeps nothing
+    split = {f"{label} x{count}": _segments(count, saved_ops, checkpointed) for count in (1, SEGMENTS)
+             for label, saved_ops, checkpointed in (("plain", None, False), ("checkpoint", None, True),
+                                                    ("selective", (), True))}
     kinds = {
         "forward": lambda: _multiplications(x.detach()),
         "sines": lambda: _sines(x.detach()),
@@ -131,6 +162,7 @@ def host_seconds(runs: int) -> dict[str, float]:
                                             context_fn=_every_op(CheckpointPolicy.PREFER_RECOMPUTE)).sum().backward(),
         "keep all": lambda: checkpoint(_sines, x, use_reentrant=False,
                                        context_fn=_every_op(CheckpointPolicy.MUST_SAVE)).sum().backward(),
+        **{key: partial(lambda chain: chain(x).sum().backward(), chain) for key, chain in split.items()},
     }
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(runs + 1):
@@ -139,12 +171,21 @@ def host_seconds(runs: int) -> dict[str, float]:
             fn()
             if round_:  # the first round warms up
                 seconds[kind].append(time.perf_counter() - started)
-    per_op = {kind: statistics.median(values) / CHAIN_OPS for kind, values in seconds.items()}
+    median = {kind: statistics.median(values) for kind, values in seconds.items()}
+    per_op = {kind: value / CHAIN_OPS for kind, value in median.items()}
+
+    def per_call(label: str) -> float:
+        added = {count: median[f"{label} x{count}"] - median[f"plain x{count}"] for count in (1, SEGMENTS)}
+        return (added[SEGMENTS] - added[1]) / (SEGMENTS - 1)
+
+    segment = max(0.0, per_call("checkpoint"))
     # differences of medians: on a loaded machine one may come out below zero, which no cost is
     saved_tensor = max(0.0, per_op["checkpoint"] - per_op["plain"] - per_op["sines"])
     selective_op = max(0.0, per_op["recompute all"] - per_op["checkpoint"])
     return {
         "op": per_op["forward"],
+        "segment": segment,
+        "selective segment": max(0.0, per_call("selective") - segment),
         "saved tensor": saved_tensor,
         "selective op": selective_op,
         "kept op": max(0.0, per_op["keep all"] - per_op["plain"] - saved_tensor - selective_op),

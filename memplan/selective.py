@@ -107,6 +107,7 @@ from memplan.timing import (
     op_seconds,
     plan_checkpoint_seconds,
     recompute_seconds,
+    segment_seconds,
     step_seconds,
     time_model_for,
 )
@@ -211,6 +212,9 @@ class BlockProfile:
     forward_residue_bytes: int = 0
     # finer segments under it (see SubBlock); () where the block is one unit of the chain
     parts: tuple[SubBlock, ...] = ()
+    # the host time of one checkpoint call (memplan.timing.segment_seconds), in the seconds of its full
+    # policy: a fully recomputed run of blocks is one call
+    checkpoint_call_seconds: float = 0.0
 
     @property
     def exclusions(self) -> tuple[tuple[str, str], ...]:
@@ -355,7 +359,8 @@ def profile_block(trace: Trace, path: str, group: str, block_bytes: Callable[[in
     policies = block_level + [replace(p, saved_ops=_saved_names([by_name[n] for n in p.saved_ops], order, calls_seen))
                               for p in family if p.saved_ops]
     return BlockProfile(path, group, tuple(calls), tuple(policies), keep_bytes, output_bytes, total_flops,
-                        total_seconds, stashed_bytes=bb(stashed), checkpoint_state_bytes=checkpoint_state_bytes)
+                        total_seconds, stashed_bytes=bb(stashed), checkpoint_state_bytes=checkpoint_state_bytes,
+                        checkpoint_call_seconds=segment_seconds(clock, selective=False))
 
 
 def _saved_names(saved: Sequence[SavedCall], order: dict[str, int], calls_per_op: dict[str, int]) -> tuple[str, ...]:
@@ -579,7 +584,8 @@ def _options(blocks: Sequence[BlockProfile], recompute_offset: int = 0) -> list[
             policy = Policy(f"full-run-{len(run)}", (),
                             run[-1].output_bytes + block.stashed_bytes + block.checkpoint_state_bytes,
                             everything - run[-1].output_bytes,
-                            sum(b.flops for b in run), sum(b.full_seconds for b in run),
+                            sum(b.flops for b in run),
+                            sum(b.full_seconds for b in run) - sum(b.checkpoint_call_seconds for b in run[1:]),
                             forward_residue_bytes=sum(b.full_residue_bytes for b in run))
             options[first].append(option(policy, first, starts[j + 1], run, tuple(b.path for b in run)))
             j += 1

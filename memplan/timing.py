@@ -47,9 +47,13 @@ class TimeModel:
     bytes_per_s: float
     serial: bool  # compute, memory and host time add up (CPU); else the roofline's max (GPU)
     seconds_per_op: float = 0.0  # host dispatch, per op (serial models only)
-    # torch.utils.checkpoint's host time: per tensor autograd saves inside a segment (its pack and unpack
-    # hooks), per op of a selective segment's forward (the policy's dispatch modes, both passes), and per
-    # op whose output it keeps (recomputation dispatches it again to hand back the cached output)
+    # torch.utils.checkpoint's host time: per segment (one checkpoint call: its frame, RNG state and
+    # hooks set up in forward and again for the recomputation; more with a selective policy, whose
+    # dispatch modes are made, entered and left), per tensor autograd saves inside a segment (its pack and
+    # unpack hooks), per op of a selective segment's forward (the policy's dispatch modes, both passes),
+    # and per op whose output it keeps (recomputation dispatches it again to hand back the cached output)
+    checkpoint_seconds_per_segment: float = 0.0
+    selective_seconds_per_segment: float = 0.0
     checkpoint_seconds_per_saved_tensor: float = 0.0
     selective_seconds_per_op: float = 0.0
     selective_seconds_per_kept_op: float = 0.0
@@ -76,27 +80,28 @@ class TimeModel:
 
 
 # benchmarks/results/cpu_calibration.txt: 2 threads, fp32 (other precisions are priced alike); each constant
-# the median of three runs on the CI machine
+# the median of three runs on the CI machine (2026-12-02)
 CPU = TimeModel(
-    CPU_NAME, flops_per_s=102e9, bytes_per_s=54.1e9, serial=True, seconds_per_op=7.7e-6,
-    checkpoint_seconds_per_saved_tensor=41e-6, selective_seconds_per_op=74e-6, selective_seconds_per_kept_op=29e-6,
+    CPU_NAME, flops_per_s=130e9, bytes_per_s=110e9, serial=True, seconds_per_op=4.7e-6,
+    checkpoint_seconds_per_segment=180e-6, selective_seconds_per_segment=78e-6,
+    checkpoint_seconds_per_saved_tensor=18e-6, selective_seconds_per_op=27e-6, selective_seconds_per_kept_op=16e-6,
     seconds_per_output_byte=MappingProxyType({
-        "aten.bernoulli_.float": 2.9e-9,
-        "aten.bernoulli_.Tensor": 2.7e-9,
-        "aten.native_dropout.default": 3.4e-9,
-        "aten.gelu.default": 1.8e-10,
-        "aten.gelu.default[tanh]": 5.3e-10,
-        "aten.silu.default": 1.8e-10,
-        "aten.sigmoid.default": 1.6e-10,
-        "aten.tanh.default": 5.8e-10,
-        "aten.exp.default": 2.0e-10,
-        "aten.erf.default": 2.9e-10,
-        "aten.rsqrt.default": 5.3e-11,
-        "aten._softmax.default": 2.2e-10,
-        "aten._safe_softmax.default": 7.2e-10,
-        "aten._log_softmax.default": 2.9e-10,
-        "aten.native_layer_norm.default": 3.1e-10,
-        "aten.where.self": 6.7e-10,
+        "aten.bernoulli_.float": 2.2e-9,
+        "aten.bernoulli_.Tensor": 1.8e-9,
+        "aten.native_dropout.default": 2.4e-9,
+        "aten.gelu.default": 7.2e-11,
+        "aten.gelu.default[tanh]": 2.8e-10,
+        "aten.silu.default": 7.6e-11,
+        "aten.sigmoid.default": 6.7e-11,
+        "aten.tanh.default": 4.5e-10,
+        "aten.exp.default": 1.5e-10,
+        "aten.erf.default": 2.5e-10,
+        "aten.rsqrt.default": 4.1e-11,
+        "aten._softmax.default": 1.1e-10,
+        "aten._safe_softmax.default": 4.3e-10,
+        "aten._log_softmax.default": 1.3e-10,
+        "aten.native_layer_norm.default": 2.0e-10,
+        "aten.where.self": 5.4e-10,
     }),
     measured_on="the 2-core CI machine",
 )
@@ -168,14 +173,20 @@ def kept_ops(ops: Iterable[Op], saved_ops: Sequence[str]) -> set[int]:
     return kept
 
 
+def segment_seconds(model: TimeModel, selective: bool) -> float:
+    """Host time one checkpoint call adds, whatever it runs."""
+    return model.checkpoint_seconds_per_segment + (model.selective_seconds_per_segment if selective else 0.0)
+
+
 def checkpoint_seconds(ops: Sequence[Op], trace: Trace, model: TimeModel, selective: bool, kept: int = 0) -> float:
-    """Host time a checkpointed segment whose forward runs `ops` adds beyond recomputing them: the hooks
-    on every tensor autograd saves, a selective policy's dispatch of every op it sees, and the dispatch
-    of the `kept` ops whose outputs recomputation hands back from its cache."""
+    """Host time a checkpointed segment whose forward runs `ops` adds beyond recomputing them: the
+    checkpoint call itself, the hooks on every tensor autograd saves, a selective policy's dispatch of
+    every op it sees, and the dispatch of the `kept` ops whose outputs recomputation hands back from its
+    cache."""
     saved = sum(trace.saved_tensors.get(op.index, 0) for op in ops)
     seen = sum(op.name not in POLICY_BLIND for op in ops) if selective else 0
-    return (saved * model.checkpoint_seconds_per_saved_tensor + seen * model.selective_seconds_per_op
-            + kept * model.selective_seconds_per_kept_op)
+    return (segment_seconds(model, selective) + saved * model.checkpoint_seconds_per_saved_tensor
+            + seen * model.selective_seconds_per_op + kept * model.selective_seconds_per_kept_op)
 
 
 def plan_checkpoint_seconds(trace: Trace, plan: Plan, model: TimeModel) -> float:

@@ -274,6 +274,36 @@ def test_each_kept_output_costs_its_dispatch_in_recomputation():
     assert extra == pytest.approx(2.0)
 
 
+def test_each_checkpoint_call_costs_its_segment_time_once():
+    """A checkpoint call costs host time whatever it runs (memplan.cpu_calibration measures it on chains
+    split into many segments): two blocks checkpointed apart pay it twice, as one run once, and a
+    selective segment pays the policy's share on top."""
+    workload = _gpt(n_layer=2)
+    _, trace = estimate_and_trace(workload, CONFIG, "cpu")
+    calls_only = replace(CPU, checkpoint_seconds_per_segment=1.0, selective_seconds_per_segment=10.0,
+                         checkpoint_seconds_per_saved_tensor=0.0, selective_seconds_per_op=0.0,
+                         selective_seconds_per_kept_op=0.0)
+    apart = _plan((Segment(("h.0",)), Segment(("h.1",))), workload)
+    run = _plan((Segment(("h.0", "h.1")),), workload)
+    selective = _plan((Segment(("h.0",), "selective", ("aten.addmm.default",)),), workload)
+    assert plan_checkpoint_seconds(trace, apart, calls_only) == 2.0
+    assert plan_checkpoint_seconds(trace, run, calls_only) == 1.0
+    assert plan_checkpoint_seconds(trace, selective, calls_only) == 11.0
+
+
+def test_the_chain_dp_prices_a_run_of_blocks_as_one_checkpoint_call():
+    """A fully recomputed run of blocks is one checkpoint call: its time is the blocks' full recomputation
+    less the call's host time of all but one, so the DP prefers it to the same blocks checkpointed apart."""
+    call = 0.25
+    full = Policy("full", (), 10, 990, 100, 1.0 + call)  # each block must be recomputed: no "keep"
+    blocks = [BlockProfile(f"b{i}", "g", (), (full,), 1000, 10, 100, 1.0, checkpoint_call_seconds=call)
+              for i in range(3)]
+    solution = solve_selective_chain(blocks, 0, 10**6, resolution=1)
+    assert solution.feasible
+    assert [c.policy.name for c in solution.choices] == ["full-run-3"]
+    assert solution.recompute_seconds == pytest.approx(3 * (1.0 + call) - 2 * call)
+
+
 def test_planners_price_with_a_time_model_given_in_place_of_a_name():
     """A CPU model measured on the spot (memplan.cpu_calibration) goes where a processor's name would: the
     block-level planner prices its plan on a model twice as slow at twice the seconds, and the selective
@@ -284,6 +314,7 @@ def test_planners_price_with_a_time_model_given_in_place_of_a_name():
     budget = int(0.6 * unplanned.peak_bytes)
     slow = replace(CPU, flops_per_s=CPU.flops_per_s / 2, bytes_per_s=CPU.bytes_per_s / 2,
                    seconds_per_op=2 * CPU.seconds_per_op,
+                   checkpoint_seconds_per_segment=2 * CPU.checkpoint_seconds_per_segment,
                    checkpoint_seconds_per_saved_tensor=2 * CPU.checkpoint_seconds_per_saved_tensor,
                    seconds_per_output_byte={k: 2 * v for k, v in CPU.seconds_per_output_byte.items()})
     cache = EstimateCache()
@@ -291,7 +322,8 @@ def test_planners_price_with_a_time_model_given_in_place_of_a_name():
                          for model in (None, slow))
     assert built_in.segments == on_slow.segments and built_in.recompute_seconds > 0
     assert on_slow.recompute_seconds == pytest.approx(2 * built_in.recompute_seconds)
-    slow_matmuls = replace(CPU, flops_per_s=CPU.flops_per_s / 1000, checkpoint_seconds_per_saved_tensor=0.0,
+    slow_matmuls = replace(CPU, flops_per_s=CPU.flops_per_s / 1000, checkpoint_seconds_per_segment=0.0,
+                           selective_seconds_per_segment=0.0, checkpoint_seconds_per_saved_tensor=0.0,
                            selective_seconds_per_op=0.0, selective_seconds_per_kept_op=0.0)
     result = plan_selective(workload, CONFIG, budget, device="cpu", processor=slow_matmuls, cache=cache)
     assert result.processor == "cpu" and any(s.policy == "selective" for s in result.plan.segments)
