@@ -116,12 +116,6 @@ def _multiplications(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _sines(x: torch.Tensor) -> torch.Tensor:
-    for _ in range(CHAIN_OPS):
-        x = torch.sin(x)  # saves its input for backward
-    return x
-
-
 class _Sines(nn.Module):
     def __init__(self, ops: int) -> None:
         super().__init__()
@@ -129,8 +123,11 @@ class _Sines(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for _ in range(self.ops):
-            x = torch.sin(x)
+            x = torch.sin(x)  # saves its input for backward
         return x
+
+
+_sines = _Sines(CHAIN_OPS)
 
 
 def _segments(count: int, saved_ops: tuple | None, checkpointed: bool) -> nn.Module:
